@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Set up and run the course with nothing but Python 3.10+ installed.
+
+    python3 course.py lab     create .venv the first time, install, open JupyterLab on the course index
+    python3 course.py test    create .venv the first time, install, run every test (pytest + nbval)
+    python3 course.py ARGS    anything else goes to the `course` command inside .venv (doctor, run, build, grade)
+
+The environment is re-installed when pyproject.toml changes. Only the standard library is used here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+STAMP = VENV / ".course-installed"
+
+# The test command (README and .ci/run call `python3 course.py test`, which runs these):
+#  1. exercises/ must be in sync with solutions/;
+#  2. pytest over the unit tests and, through nbval, every lesson notebook. Every solution notebook runs in
+#     tests/test_grading.py instead (COURSE_GRADE_LESSONS=all): `course grade` executes it top to bottom in a
+#     fresh kernel and requires full marks, which checks more than nbval would, and its student copy must
+#     score zero. Running solutions under nbval as well would only repeat that work.
+NBVAL_ARGS = ["--nbval-lax", "--nbval-cell-timeout=600", "--nbval-kernel-name=python3",
+              "--sanitize-with", "tests/nbval_sanitize.cfg", "-p", "no:cacheprovider"]
+TEST_PATHS = ["tests", "notebooks"]
+
+
+def fail(message: str) -> None:
+    print(f"course.py: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def requirements_hash() -> str:
+    return hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+
+
+def ensure_env() -> None:
+    """Create .venv and install the course into it, unless it is already up to date."""
+    if sys.version_info < (3, 10):
+        fail(f"Python 3.10 or newer is needed, this is {sys.version.split()[0]}: install a newer Python "
+             f"and run this command with it (e.g. python3.11 course.py ...)")
+    if STAMP.exists() and STAMP.read_text() == requirements_hash():
+        return
+    python = BIN / "python"
+    if not python.exists():
+        print(f"creating the environment in {VENV} ...", flush=True)
+        try:
+            venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
+        except (subprocess.CalledProcessError, OSError) as exc:
+            fail(f"could not create a virtual environment ({exc}). On Debian/Ubuntu install the venv module "
+                 f"first: sudo apt install python3-venv")
+    print("installing the course and its dependencies (torch, deepspeed, jupyterlab, ...): a few minutes "
+          "the first time ...", flush=True)
+    cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", "-e", f"{ROOT}[test]"]
+    if subprocess.call(cmd, cwd=ROOT) != 0:
+        fail("pip install failed (see above). Check your network access to PyPI, then run the command again.")
+    STAMP.write_text(requirements_hash())
+
+
+def run_tests(extra: list[str]) -> int:
+    env = dict(os.environ, PYTHONHASHSEED="0", MPLBACKEND="Agg", COURSE_GRADE_LESSONS="all")
+    course = [str(BIN / "python"), "-m", "course_lib.cli"]
+    status = subprocess.call([*course, "build", "--check"], cwd=ROOT, env=env)
+    if status != 0:
+        print("exercises/ is out of date: run `python3 course.py build` and commit the result", file=sys.stderr)
+        return status
+    paths = [p for p in TEST_PATHS if (ROOT / p).exists()]
+    cmd = [str(BIN / "python"), "-m", "pytest", *NBVAL_ARGS, *paths, *extra]
+    print("running:", " ".join(cmd), flush=True)
+    return subprocess.call(cmd, cwd=ROOT, env=env)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(__doc__)
+        return 0
+    ensure_env()
+    command, rest = argv[0], argv[1:]
+    if command == "test":
+        return run_tests(rest)
+    if command == "install":
+        return 0
+    return subprocess.call([str(BIN / "course"), command, *rest], cwd=ROOT)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:
+        sys.exit(130)

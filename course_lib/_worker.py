@@ -1,0 +1,110 @@
+"""The program torchrun starts in every rank for `course_lib.launch.run`.
+
+    python -m torch.distributed.run ... -m course_lib._worker RUN_DIR
+
+It sends its output to RUN_DIR/rank{R}.log, sets the thread count, initialises the default process group,
+runs the pickled function and writes RUN_DIR/result{R}.pkl (or error{R}.json with its own traceback).
+Files are written atomically (temp file + rename), so a result that exists is complete.
+Kept free of heavy imports before the log is set up, so start-up time can be measured.
+"""
+
+import os
+import sys
+import time
+
+T_START = time.time()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when torchrun dies, so no worker outlives its launcher."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def _redirect_output(log_path: str) -> None:
+    """Point file descriptors 1 and 2 at the rank's log (C-level output included), line-buffered."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def report_failure(run_dir: str, rank: int, exc: BaseException) -> None:
+    """Print the traceback into the rank's log and write RUN_DIR/error{rank}.json for the launcher."""
+    import json
+    import traceback
+
+    tb = traceback.format_exc()
+    sys.stderr.write(tb)
+    sys.stderr.flush()
+    err = {"rank": rank, "type": type(exc).__name__, "message": str(exc)[:2000],
+           "traceback": tb[-20000:], "time": time.time()}
+    _write_atomic(os.path.join(run_dir, f"error{rank}.json"), json.dumps(err).encode())
+
+
+def main() -> int:
+    _die_with_parent()
+    run_dir = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    _redirect_output(os.path.join(run_dir, f"rank{rank}.log"))
+    timings = {"process_start": T_START}
+
+    import json
+    from datetime import timedelta
+
+    try:
+        import cloudpickle
+        import torch
+        import torch.distributed as dist
+
+        timings["imports_done"] = time.time()
+        settings = json.loads(open(os.path.join(run_dir, "settings.json")).read())
+        torch.set_num_threads(settings["threads_per_rank"])
+        backend = settings["backend"]
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, timeout=timedelta(seconds=settings["pg_timeout_s"]))
+        timings["rendezvous_done"] = time.time()
+
+        with open(os.path.join(run_dir, "payload.pkl"), "rb") as f:
+            fn, args, kwargs = cloudpickle.load(f)
+        value = fn(*args, **kwargs)
+        timings["work_done"] = time.time()
+
+        from course_lib import dist as cdist
+
+        value = torch.utils._pytree.tree_map(
+            lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
+        record = {"value": value, "timings": timings, "device": cdist.device_name(),
+                  "threads": torch.get_num_threads()}
+        _write_atomic(os.path.join(run_dir, f"result{rank}.pkl"), cloudpickle.dumps(record))
+        sys.stdout.flush()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a peer that already left must not turn a success into a failure
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # the result is on disk: skip the interpreter's slow teardown of torch
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, KeyboardInterrupt included
+        report_failure(run_dir, rank, exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

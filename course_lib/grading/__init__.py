@@ -1,0 +1,9 @@
+"""Graded exercises: author once in ``solutions/``, generate ``exercises/``, grade submissions.
+
+- `course_lib.grading.check`: the checks test cells call (``check_close``, ``check_equal``, ...).
+- `course_lib.grading.notebook`: reading and writing notebooks, answer regions, test cells.
+- `course_lib.grading.build`: ``course build`` (solutions -> exercises).
+- `course_lib.grading.grade`: ``course grade`` (run a submission with the official tests restored).
+
+See docs/GRADING.md for the authoring format and the instructor guide.
+"""

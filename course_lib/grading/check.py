@@ -1,0 +1,146 @@
+"""Checks used by the test cells of graded exercises (docs/GRADING.md).
+
+    from course_lib.grading.check import check_close, check_equal, check_true, check_shape
+    check_close("sum over 2 ranks", actual, expected, rtol=1e-6, hint="combine the partial sums")
+
+A failing check raises `CheckFailed` (an ``AssertionError``) with a one-line message::
+
+    check 'sum over 2 ranks' failed: expected 5050, got 2525. Hint: combine the partial sums
+
+The message shows the expected value of *that* check only (never the reference code). For quiz
+answers pass ``reveal=False``: the message then says "wrong value" and the hint, nothing more.
+This module imports nothing heavy (torch is only touched when a value is a tensor).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+MAX_SHOWN = 120  # characters of a value shown in a message
+
+
+class CheckFailed(AssertionError):
+    """A check in a test cell failed. ``str(exc)`` is one line: check, expected vs actual, hint."""
+
+    def __init__(self, name: str, detail: str, hint: str = ""):
+        self.check_name, self.detail, self.hint = name, detail, hint
+        msg = f"check {name!r} failed: {detail}"
+        if hint:
+            msg += f". Hint: {hint}"
+        super().__init__(_one_line(msg, 600))
+
+
+def _one_line(text: str, limit: int = MAX_SHOWN) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _show(value: Any) -> str:
+    return _one_line(repr(_plain(value)))
+
+
+def _is_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def _plain(x: Any) -> Any:
+    """Tensors and numpy arrays -> Python numbers / nested lists (for comparison and messages)."""
+    if _is_tensor(x):
+        x = x.detach().cpu()
+        return x.item() if x.dim() == 0 else x.tolist()
+    if type(x).__module__ == "numpy":
+        return x.item() if getattr(x, "ndim", 1) == 0 else x.tolist()
+    if isinstance(x, tuple):
+        return [_plain(v) for v in x]
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
+    return x
+
+
+def _fail(name: str, expected: Any, actual: Any, hint: str, reveal: bool, extra: str = "") -> None:
+    if reveal:
+        detail = f"expected {_show(expected)}, got {_show(actual)}{extra}"
+    else:
+        detail = "wrong value"
+    raise CheckFailed(name, detail, hint)
+
+
+def _flatten(x: Any) -> list:
+    if isinstance(x, list):
+        out = []
+        for v in x:
+            out.extend(_flatten(v))
+        return out
+    return [x]
+
+
+def _shape_of(x: Any) -> tuple | None:
+    if hasattr(x, "shape"):
+        return tuple(int(d) for d in x.shape)
+    if isinstance(x, (list, tuple)):
+        if not x:
+            return (0,)
+        inner = {_shape_of(v) for v in x}
+        if len(inner) != 1:
+            return None  # ragged
+        sub = inner.pop()
+        return (len(x),) + (sub or ())
+    return ()
+
+
+def check_close(name: str, actual: Any, expected: Any, *, rtol: float = 1e-6, atol: float = 1e-8,
+                hint: str = "", reveal: bool = True) -> None:
+    """``actual`` equals ``expected`` within ``|a - e| <= atol + rtol * |e|`` elementwise.
+
+    Numbers, lists, tuples, numpy arrays and torch tensors are accepted; shapes must match.
+    """
+    a, e = _plain(actual), _plain(expected)
+    if _shape_of(a) != _shape_of(e):
+        if reveal:
+            raise CheckFailed(name, f"expected shape {_shape_of(e)}, got shape {_shape_of(a)}", hint)
+        _fail(name, e, a, hint, reveal)
+    worst, worst_i = 0.0, None
+    for i, (x, y) in enumerate(zip(_flatten(a), _flatten(e))):
+        try:
+            x, y = float(x), float(y)
+        except (TypeError, ValueError):
+            _fail(name, e, a, hint, reveal, extra=" (not a number)")
+        if math.isnan(x) != math.isnan(y) or (not math.isnan(x) and not _close(x, y, rtol, atol)):
+            err = abs(x - y) if not (math.isnan(x) or math.isnan(y)) else math.inf
+            if worst_i is None or err > worst:
+                worst, worst_i = err, i
+    if worst_i is not None:
+        where = "" if _shape_of(e) == () else f" (largest difference {worst:.3g} at flat index {worst_i})"
+        _fail(name, e, a, hint, reveal, extra=f"{where}, rtol={rtol:g}")
+
+
+def _close(x: float, y: float, rtol: float, atol: float) -> bool:
+    if math.isinf(x) or math.isinf(y):
+        return x == y
+    return abs(x - y) <= atol + rtol * abs(y)
+
+
+def check_equal(name: str, actual: Any, expected: Any, *, hint: str = "", reveal: bool = True) -> None:
+    """``actual == expected`` exactly (tensors and arrays compared as nested lists)."""
+    a, e = _plain(actual), _plain(expected)
+    if not (type(a) is type(e) or _both_numbers(a, e)) or a != e:
+        _fail(name, e, a, hint, reveal)
+
+
+def _both_numbers(a: Any, b: Any) -> bool:
+    num = (int, float)
+    return isinstance(a, num) and isinstance(b, num) and not isinstance(a, bool) and not isinstance(b, bool)
+
+
+def check_true(name: str, condition: Any, *, hint: str = "") -> None:
+    """``condition`` is true. The message says only that the property does not hold, and the hint."""
+    if not condition:
+        raise CheckFailed(name, "the condition does not hold", hint)
+
+
+def check_shape(name: str, actual: Any, expected_shape: tuple, *, hint: str = "") -> None:
+    """``actual`` (tensor, array or nested list) has shape ``expected_shape``."""
+    shape = _shape_of(actual)
+    if shape != tuple(expected_shape):
+        raise CheckFailed(name, f"expected shape {tuple(expected_shape)}, got shape {shape}", hint)

@@ -1,0 +1,341 @@
+"""``course grade``: run submissions with the official tests restored and score each exercise.
+
+One submission:
+1. read it (unreadable -> status ``unreadable``, the CLI exits 1);
+2. find its lesson (notebook metadata ``course.lesson``, else the file name, else the exercise ids)
+   and take the official test cells (hidden ones included) from an in-memory copy of ``solutions/``;
+3. assemble: drop every test cell of the submission (edited, duplicated or deleted tests change
+   nothing), keep all other cells, and put the official test cells of each exercise where the
+   submission's first test cell of that exercise was (deleted: just before the next exercise's tests);
+4. execute it in a new temp folder (the cwd) with `course_lib.grading.runner`, in a subprocess tagged
+   with a unique ``COURSE_PROC_TAG``; afterwards kill every process carrying the tag;
+5. score: an exercise earns its points (sum of its test cells' points) only if all its test cells pass.
+
+Statuses: ``passed``, ``failed: <first failing check>``, ``not implemented``, ``timeout``,
+``error: <one line>``, ``kernel died``.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from course_lib import procs
+from course_lib.grading import notebook as nbio
+
+DEFAULT_CELL_TIMEOUT = 120.0
+DEFAULT_TOTAL_TIMEOUT = 900.0
+DEFAULT_OUTPUT_LIMIT = 1_000_000
+
+
+class GraderError(RuntimeError):
+    """The grader itself failed (not the submission): the CLI exits 2."""
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------ solutions
+
+class Solutions:
+    """An in-memory snapshot of ``solutions/`` taken before any submission runs."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise GraderError(f"no solutions folder at {self.folder}")
+        self.hashes = nbio.tree_hash(self.folder)
+        self.notebooks = {p.stem: nbio.read(p) for p in sorted(self.folder.glob("*.ipynb"))}
+        if not self.notebooks:
+            raise GraderError(f"no solution notebooks in {self.folder}")
+
+    def changed(self) -> list[str]:
+        """Official notebooks whose bytes changed since the snapshot (a submission wrote there?)."""
+        now = nbio.tree_hash(self.folder)
+        return sorted(k for k in set(now) | set(self.hashes) if now.get(k) != self.hashes.get(k))
+
+    def match(self, nb, path: Path) -> str | None:
+        lesson = nb.get("metadata", {}).get("course", {}).get("lesson")
+        if lesson in self.notebooks:
+            return lesson
+        stems = sorted(self.notebooks, key=len, reverse=True)
+        for stem in stems:
+            if stem == path.stem or stem in path.name:
+                return stem
+        ids = {info["exercise"] for info in map(nbio.test_info, nb["cells"]) if info}
+        best = max(stems, key=lambda s: len(ids & {e["exercise"] for e in nbio.exercises(self.notebooks[s])}))
+        if ids & {e["exercise"] for e in nbio.exercises(self.notebooks[best])}:
+            return best
+        return None
+
+
+def assemble(submission, official) -> dict:
+    """The submission's own cells with the official test cells put back (see module docstring)."""
+    nb = copy.deepcopy(submission)
+    groups: dict[str, list] = {}
+    for cell in official["cells"]:
+        info = nbio.test_info(cell)
+        if info:
+            groups.setdefault(info["exercise"], []).append(copy.deepcopy(cell))
+    order = list(groups)
+    kept, anchor = [], {}
+    for cell in nb["cells"]:
+        info = nbio.test_info(cell)
+        if info is None:
+            if cell.get("cell_type") == "code":
+                cell["outputs"], cell["execution_count"] = [], None
+            kept.append(cell)
+        elif info["exercise"] in groups:
+            anchor[info["exercise"]] = len(kept)  # the last copy wins (a duplicate moved up is ignored)
+    # Exercises whose tests were deleted go just before the next exercise's tests (or at the end).
+    position, next_pos = {}, len(kept)
+    for ex in reversed(order):
+        position[ex] = anchor.get(ex, next_pos)
+        next_pos = position[ex]
+    cells = []
+    for i in range(len(kept) + 1):
+        for ex in order:
+            if position[ex] == i:
+                for c in groups[ex]:
+                    c["outputs"], c["execution_count"] = [], None
+                    cells.append(c)
+        if i < len(kept):
+            cells.append(kept[i])
+    for n, c in enumerate(cells):  # unique ids (students duplicate cells)
+        c["id"] = nbio.cell_id("graded", n)
+    nb["cells"] = cells
+    nb.setdefault("metadata", {})["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                                   "language": "python"}
+    return nb
+
+
+# ----------------------------------------------------------------------------------------- scoring
+
+def score(nb, record: dict) -> list[dict]:
+    """Per exercise: {exercise, points, max, status} from the runner's record of every cell."""
+    by_index = {c["index"]: c for c in record.get("cells", [])}
+    rows: dict[str, dict] = {}
+    since_last_test: list[dict] = []  # student cells between the previous test cell and this one
+    span: dict[str, list[dict]] = {}
+    for i, cell in enumerate(nb["cells"]):
+        info = nbio.test_info(cell)
+        entry = by_index.get(i)
+        if info is None:
+            if entry:
+                since_last_test.append(entry)
+            continue
+        ex = info["exercise"]
+        row = rows.setdefault(ex, {"exercise": ex, "points": 0.0, "max": 0.0, "status": None, "tests": []})
+        row["max"] += info["points"]
+        row["tests"].append(entry or {"index": i, "status": "not-run", "ename": "", "evalue": ""})
+        span.setdefault(ex, []).extend(since_last_test)
+        since_last_test = []
+    for ex, row in rows.items():
+        row["status"] = _status(row.pop("tests"), span.get(ex, []))
+        row["points"] = row["max"] if row["status"] == "passed" else 0.0
+    return list(rows.values())
+
+
+def _status(tests: list[dict], student_cells: list[dict]) -> str:
+    for cell in student_cells:  # the student's own cells for this exercise
+        if cell["status"] == "timeout":
+            return f"timeout: your code cell ran longer than the per-cell limit"
+        if cell["status"] == "died":
+            return "kernel died (in your code cell: sys.exit/os._exit/crash?)"
+    for t in tests:
+        st = t["status"]
+        if st == "ok":
+            continue
+        if st == "timeout":
+            return "timeout: a test cell ran longer than the per-cell limit"
+        if st == "died":
+            return "kernel died (exit, os._exit, crash or out of memory while testing)"
+        if st == "not-run":
+            return "timeout: total time limit reached before this test ran"
+        ename, evalue = t.get("ename", ""), t.get("evalue", "")
+        if ename == "NotImplementedError" or "NotImplementedError" in evalue:
+            return "not implemented"
+        stub = next((c for c in student_cells if c["status"] == "error"), None)
+        if stub and ename == "NameError":  # the code cell that defines the name failed first
+            if stub["ename"] == "NotImplementedError":
+                return "not implemented"
+            first = stub["evalue"].strip().splitlines()[0] if stub["evalue"].strip() else ""
+            return f"error: your code cell failed: {stub['ename']}: {_one_line(first)}"
+        if ename == "SystemExit":
+            return "error: SystemExit (the code called sys.exit or exit)"
+        if ename == "KeyboardInterrupt":
+            return "error: KeyboardInterrupt raised by the code"
+        if ename == "CheckFailed":
+            return f"failed: {_one_line(evalue)}"
+        if ename == "AssertionError":
+            return f"failed: {_one_line(evalue) or 'assertion failed'}"
+        first = evalue.strip().splitlines()[0] if evalue.strip() else ""
+        return f"error: {ename}: {_one_line(first)}" if first else f"error: {ename}"
+    return "passed"
+
+
+# ----------------------------------------------------------------------------------------- running
+
+def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, output_limit: int) -> dict:
+    nbio.write(assembled, workdir / "graded.ipynb")
+    plan = {"notebook": str(workdir / "graded.ipynb"), "workdir": str(workdir), "result": str(workdir / "record.json"),
+            "cell_timeout": cell_timeout, "total_timeout": total_timeout, "output_limit": output_limit}
+    (workdir / "plan.json").write_text(json.dumps(plan))
+    tag = procs.new_tag("grade")
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env.update({procs.TAG_VAR: tag, "MPLBACKEND": "Agg", "COURSE_RUNS_DIR": str(workdir / "runs"),
+                "PYTHONPATH": os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p),
+                "PYDEVD_DISABLE_FILE_VALIDATION": "1", "JUPYTER_PLATFORM_DIRS": "1"})
+    log = workdir / "runner.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "course_lib.grading.runner", str(workdir / "plan.json")],
+                                cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    hard_limit = total_timeout + cell_timeout + 60  # the runner enforces total_timeout itself
+    try:
+        proc.wait(timeout=hard_limit)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        procs.kill_tree(proc.pid, tag=tag, grace_s=0.5)
+        proc.wait()
+    left = procs.alive(tag)
+    record_path = workdir / "record.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else None
+    if record is None:
+        tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+        raise GraderError(f"the grading runner produced no record (exit code {proc.returncode}):\n{tail}")
+    record["runner_exit"] = proc.returncode
+    record["left_behind"] = len(left)
+    return record
+
+
+def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solutions", *,
+                     cell_timeout: float = DEFAULT_CELL_TIMEOUT, total_timeout: float = DEFAULT_TOTAL_TIMEOUT,
+                     output_limit: int = DEFAULT_OUTPUT_LIMIT, keep: bool = False) -> dict:
+    """Grade one notebook. Returns {submission, lesson, status, points, max, exercises: [...], ...}.
+
+    ``status`` is ``graded`` or ``unreadable`` (with ``error``). Raises `GraderError` when the grader
+    itself fails.
+    """
+    path = Path(path)
+    if not isinstance(solutions, Solutions):
+        solutions = Solutions(solutions)
+    result = {"submission": str(path), "lesson": None, "status": "graded", "points": 0.0, "max": 0.0,
+              "exercises": [], "warnings": []}
+    try:
+        sub = nbio.read(path)
+    except nbio.NotebookError as exc:
+        return {**result, "status": "unreadable", "error": str(exc)}
+    lesson = solutions.match(sub, path)
+    if lesson is None:
+        return {**result, "status": "unreadable",
+                "error": f"{path}: cannot tell which lesson this is (no matching notebook in {solutions.folder})"}
+    official = solutions.notebooks[lesson]
+    assembled = assemble(sub, official)
+    workdir = Path(tempfile.mkdtemp(prefix="course-grade-"))
+    t0 = time.perf_counter()
+    try:
+        shutil.copyfile(path, workdir / "submission.ipynb")
+        record = _run(assembled, workdir, cell_timeout, total_timeout, output_limit)
+    finally:
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    rows = score(assembled, record)
+    changed = solutions.changed()
+    if changed:
+        result["warnings"].append(f"official notebooks changed while grading this submission: {changed} "
+                                  f"(this grade used the snapshot taken before; check {solutions.folder})")
+    if record.get("left_behind"):
+        result["warnings"].append(f"{record['left_behind']} process(es) survived the clean-up")
+    result.update(lesson=lesson, exercises=rows, points=sum(r["points"] for r in rows),
+                  max=sum(r["max"] for r in rows), seconds=round(time.perf_counter() - t0, 2),
+                  run_seconds=record.get("seconds"), kernel_start_s=record.get("kernel_start_s"),
+                  restarts=record.get("restarts", 0), runner_max_rss_mb=record.get("max_rss_mb"), workdir=str(workdir) if keep else None)
+    if record.get("replay_error"):
+        result["warnings"].append(f"after a kernel restart the set-up could not be replayed: {record['replay_error']}")
+    return result
+
+
+def find_submissions(paths: list[str | Path]) -> list[Path]:
+    """Expand folders (a class) into their notebooks, sorted; files are taken as given."""
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts)
+        else:
+            out.append(p)
+    return out
+
+
+def student_name(path: Path, roots: list[Path]) -> str:
+    for root in roots:
+        if root.is_dir():
+            try:
+                rel = path.relative_to(root)
+            except ValueError:
+                continue
+            return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+    return path.stem
+
+
+def grade_many(paths: list[str | Path], solutions: str | Path = "solutions", **kw) -> list[dict]:
+    roots = [Path(p) for p in paths]
+    snapshot = Solutions(solutions)
+    results = []
+    for path in find_submissions(paths):
+        res = grade_submission(path, snapshot, **kw)
+        res["student"] = student_name(path, roots)
+        results.append(res)
+    return results
+
+
+# ------------------------------------------------------------------------------------------ output
+
+def table(results: list[dict]) -> str:
+    lines = []
+    for res in results:
+        head = f"== {res['submission']}"
+        if res["status"] != "graded":
+            lines += [head, f"   UNREADABLE: {res.get('error', '')}", ""]
+            continue
+        lines.append(f"{head}  (lesson {res['lesson']}, {res['points']:g}/{res['max']:g} points, "
+                     f"{res.get('seconds', 0):.1f} s)")
+        width = max([len("exercise")] + [len(r["exercise"]) for r in res["exercises"]])
+        lines.append(f"   {'exercise':<{width}}  {'points':>6}  {'max':>4}  status")
+        for r in res["exercises"]:
+            lines.append(f"   {r['exercise']:<{width}}  {r['points']:>6g}  {r['max']:>4g}  {r['status']}")
+        lines += [f"   warning: {w}" for w in res.get("warnings", [])]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_json(results: list[dict], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(results, indent=1) + "\n")
+
+
+def write_csv(results: list[dict], path: str | Path) -> None:
+    """One row per submission (student): total, max, status and each exercise's points."""
+    exercises = []
+    for res in results:
+        for r in res["exercises"]:
+            if r["exercise"] not in exercises:
+                exercises.append(r["exercise"])
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["student", "submission", "lesson", "points", "max", "status", *exercises])
+        for res in results:
+            pts = {r["exercise"]: r["points"] for r in res["exercises"]}
+            w.writerow([res.get("student", Path(res["submission"]).stem), res["submission"], res["lesson"] or "",
+                        res["points"], res["max"], res["status"], *(pts.get(e, "") for e in exercises)])

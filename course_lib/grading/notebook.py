@@ -1,0 +1,131 @@
+"""Notebook plumbing shared by ``course build`` and ``course grade``: answer regions, test cells, I/O.
+
+Authoring format (docs/CONVENTIONS.md, docs/GRADING.md):
+- an answer region is the lines from ``### BEGIN SOLUTION`` to ``### END SOLUTION``; the student copy
+  replaces it with ``raise NotImplementedError("<hint>")`` at the indentation of the BEGIN line;
+- the hint is the text of a ``### HINT: ...`` line in the cell (else `GENERIC_HINT`);
+- a test cell carries ``{"course": {"exercise": "NN-name", "points": P, "hidden": bool}}`` in its metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import nbformat
+
+BEGIN = "### BEGIN SOLUTION"
+END = "### END SOLUTION"
+HINT_RE = re.compile(r"^\s*### HINT:\s*(.*?)\s*$")
+GENERIC_HINT = "replace this line with your implementation"
+
+
+class NotebookError(ValueError):
+    """A notebook cannot be read, or an authored notebook breaks the format (names the cell)."""
+
+
+def read(path: str | Path) -> nbformat.NotebookNode:
+    """Read a notebook (any nbformat 4.x); raises `NotebookError` with the reason."""
+    path = Path(path)
+    try:
+        nb = nbformat.read(str(path), as_version=4)
+    except FileNotFoundError:
+        raise NotebookError(f"{path}: no such file") from None
+    except Exception as exc:  # noqa: BLE001 - bad JSON, bad schema, binary junk...
+        raise NotebookError(f"{path}: not a readable notebook ({type(exc).__name__}: "
+                            f"{' '.join(str(exc).split())[:200]})") from None
+    if not isinstance(nb.get("cells"), list):
+        raise NotebookError(f"{path}: not a notebook (no list of cells)")
+    return nb
+
+
+def dumps(nb: Any) -> str:
+    """Deterministic JSON text as Jupyter writes it (sorted keys, indent 1, sources as lists of lines,
+    trailing newline): equal notebooks give equal bytes."""
+    text = nbformat.writes(nbformat.from_dict(nb), version=4)
+    return text if text.endswith("\n") else text + "\n"
+
+
+def write(nb: Any, path: str | Path) -> None:
+    Path(path).write_text(dumps(nb), encoding="utf-8")
+
+
+def source(cell: Any) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else str(src)
+
+
+def test_info(cell: Any) -> dict | None:
+    """The ``course`` metadata of a test cell ({exercise, points, hidden}), or None for other cells."""
+    if cell.get("cell_type") != "code":
+        return None
+    meta = cell.get("metadata", {}).get("course")
+    if not isinstance(meta, dict) or "exercise" not in meta:
+        return None
+    return {"exercise": str(meta["exercise"]), "points": float(meta.get("points", 0)),
+            "hidden": bool(meta.get("hidden", False))}
+
+
+def is_test(cell: Any) -> bool:
+    return test_info(cell) is not None
+
+
+def has_solution(cell: Any) -> bool:
+    return cell.get("cell_type") == "code" and BEGIN in source(cell)
+
+
+def strip_solution(src: str, where: str = "cell") -> str:
+    """Replace every answer region of ``src`` by a stub raising NotImplementedError(hint)."""
+    lines = src.split("\n")
+    hint = next((m.group(1) for m in map(HINT_RE.match, lines) if m), None) or GENERIC_HINT
+    out, inside, indent = [], False, ""
+    for n, line in enumerate(lines, 1):
+        stripped = line.strip()
+        if stripped.startswith(BEGIN):
+            if inside:
+                raise NotebookError(f"{where}, line {n}: '{BEGIN}' inside another answer region")
+            inside, indent = True, line[: len(line) - len(line.lstrip())]
+            out.append(f"{indent}raise NotImplementedError({json.dumps(hint, ensure_ascii=False)})")
+        elif stripped.startswith(END):
+            if not inside:
+                raise NotebookError(f"{where}, line {n}: '{END}' without '{BEGIN}'")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise NotebookError(f"{where}: '{BEGIN}' without '{END}'")
+    return "\n".join(out)
+
+
+def split_source(text: str) -> list[str]:
+    """Jupyter's on-disk form of a source: list of lines, each keeping its newline."""
+    return text.splitlines(keepends=True)
+
+
+def cell_id(seed: str, index: int) -> str:
+    return hashlib.sha1(f"{seed}:{index}".encode()).hexdigest()[:12]
+
+
+def exercises(nb: Any) -> list[dict]:
+    """The exercises of a notebook in order: [{exercise, points (sum over its test cells), cells}]."""
+    found: dict[str, dict] = {}
+    for i, cell in enumerate(nb["cells"]):
+        info = test_info(cell)
+        if info:
+            ex = found.setdefault(info["exercise"], {"exercise": info["exercise"], "points": 0.0, "cells": []})
+            ex["points"] += info["points"]
+            ex["cells"].append(i)
+    return list(found.values())
+
+
+def file_hash(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def tree_hash(folder: str | Path) -> dict[str, str]:
+    """sha256 of every notebook under ``folder`` (to prove the official tests were not modified)."""
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): file_hash(p) for p in sorted(folder.rglob("*.ipynb"))}

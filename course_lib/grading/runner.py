@@ -1,0 +1,243 @@
+"""Execute one assembled submission, cell by cell, in a fresh kernel; survive the kernel's death.
+
+Run by `course_lib.grading.grade` in its own subprocess (``python -m course_lib.grading.runner PLAN``)
+whose environment carries a unique ``COURSE_PROC_TAG``, so that the grader can kill everything the
+submission started afterwards. This module only executes and records; scoring is in ``grade.py``.
+
+Per code cell it records ``status``: ``ok`` | ``error`` (with ``ename``/``evalue``) | ``timeout`` |
+``died`` | ``not-run`` (the total time limit was reached). When a cell times out or kills the kernel,
+the kernel and all its descendants are killed, a new kernel is started, the earlier non-test cells that
+ran fine are replayed (test cells are not), and execution goes on after the failed cell.
+Captured output is capped per cell (``output_limit`` bytes), so a 50 MB print cannot fill the memory.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+from course_lib import procs
+
+TRUNCATED = "\n[output truncated by the grader]\n"
+
+
+class CappedClient(NotebookClient):
+    """nbclient that keeps at most ``output_limit`` bytes of stream/display output per cell.
+
+    Error outputs are always kept (their traceback shortened): the grader needs ename/evalue.
+    """
+
+    output_limit = 1_000_000
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._bytes: dict[int, int] = {}
+
+    def output(self, outs, msg, display_id, cell_index):
+        content = msg.get("content", {})
+        if msg["msg_type"] == "error":
+            content["traceback"] = [line[:2000] for line in content.get("traceback", [])[-20:]]
+            content["evalue"] = str(content.get("evalue", ""))[:20_000]
+            return super().output(outs, msg, display_id, cell_index)
+        size = len(json.dumps(content.get("data", content.get("text", "")), default=str))
+        used = self._bytes.get(cell_index, 0)
+        self._bytes[cell_index] = used + size
+        if used + size <= self.output_limit:
+            return super().output(outs, msg, display_id, cell_index)
+        if used <= self.output_limit:  # first overflow: say so once, in place of the rest
+            outs.append(nbformat.v4.new_output("stream", name="stderr", text=TRUNCATED))
+        return None
+
+
+def _kernel_pid(client: NotebookClient) -> int | None:
+    km = getattr(client, "km", None)
+    prov = getattr(km, "provisioner", None)
+    proc = getattr(prov, "process", None)
+    return getattr(proc, "pid", None)
+
+
+# Run in the kernel before the submission: caps what one cell can print, inside the kernel, so that a 50 MB
+# print never crosses ZeroMQ into the grader (the CappedClient cap alone still receives every message).
+# The cap is (re)installed at the start of every cell: IPython >= 9 wraps each stream's `write` for the
+# duration of a cell (`InteractiveShell._tee`) and restores the original afterwards, which silently drops
+# a wrapper installed once.
+_KERNEL_OUTPUT_CAP = """
+def _course_cap_output(limit):
+    import sys
+    state = {"n": 0, "said": False}
+
+    def capped(original):
+        def write(text, *args, **kwargs):
+            state["n"] += len(text)
+            if state["n"] <= limit:
+                return original(text, *args, **kwargs)
+            if not state["said"]:
+                state["said"] = True
+                original("\\n[output truncated by the grader]\\n")
+            return len(text)
+        write._course_capped = True
+        return write
+
+    def install(*args, **kwargs):
+        state["n"], state["said"] = 0, False
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            if not getattr(stream.write, "_course_capped", False):
+                stream.write = capped(stream.write)
+
+    get_ipython().events.register("pre_run_cell", install)
+    install()
+
+_course_cap_output(%d)
+del _course_cap_output
+"""
+
+
+def _start(client: NotebookClient) -> None:
+    client.km = client.create_kernel_manager()
+    client.start_new_kernel()
+    client.start_new_kernel_client()
+    from jupyter_core.utils import run_sync
+
+    run_sync(client.kc.execute_interactive)(_KERNEL_OUTPUT_CAP % client.output_limit, silent=True,
+                                            store_history=False, timeout=60)
+
+
+def _stop(client: NotebookClient) -> None:
+    pid = _kernel_pid(client)
+    if pid is not None:
+        procs.kill_tree(pid, grace_s=0.0)
+    try:
+        client._cleanup_kernel()
+    except Exception:  # noqa: BLE001 - the kernel is gone either way
+        client.km, client.kc = None, None
+
+
+def peak_rss_mb() -> float:
+    """This process's own peak resident memory (MB).
+
+    ``/proc/self/status`` VmHWM where Linux has it: ``ru_maxrss`` is not this process's own peak there,
+    because Linux carries the parent's high-water mark over fork and exec (a runner started from a
+    pytest process that holds torch would report that process's 800 MB).
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def _error_of(cell) -> tuple[str, str] | None:
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "error":
+            return str(out.get("ename", "Error")), str(out.get("evalue", ""))
+    return None
+
+
+def execute(plan: dict) -> dict:
+    nb = nbformat.read(plan["notebook"], as_version=4)
+    workdir = plan["workdir"]
+    cell_timeout = float(plan["cell_timeout"])
+    deadline = time.monotonic() + float(plan["total_timeout"])
+    client = CappedClient(nb, timeout=int(cell_timeout), allow_errors=True, kernel_name="python3",
+                          resources={"metadata": {"path": workdir}}, startup_timeout=120,
+                          record_timing=False, interrupt_on_timeout=False, iopub_timeout=10)
+    client.output_limit = int(plan["output_limit"])
+    record: dict = {"cells": [], "restarts": 0, "started": time.time()}
+    result_path = Path(plan["result"])
+
+    def save() -> None:
+        tmp = result_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(result_path)
+
+    t_start = time.monotonic()
+    _start(client)
+    record["kernel_start_s"] = time.monotonic() - t_start
+    ran_ok: list[int] = []  # non-test cells that ran without error: replayed after a restart
+    alive = True
+    queue = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
+    retried: set[int] = set()
+    while queue:
+        i = queue.pop(0)
+        cell = nb.cells[i]
+        is_test = "course" in cell.get("metadata", {}) and "exercise" in cell.metadata.course
+        entry = {"index": i, "test": is_test, "status": "not-run", "ename": "", "evalue": "", "seconds": 0.0}
+        record["cells"] = [c for c in record["cells"] if c["index"] != i] + [entry]
+        left = deadline - time.monotonic()
+        if not alive or left <= 1:
+            entry["status"] = "not-run" if alive else "died"
+            continue
+        client.timeout = max(1, int(min(cell_timeout, left)))
+        t0 = time.monotonic()
+        failure = None
+        try:
+            client.execute_cell(cell, i)
+            err = _error_of(cell)
+            if err:
+                entry.update(status="error", ename=err[0], evalue=err[1][:2000])
+            else:
+                entry["status"] = "ok"
+                if not is_test:
+                    ran_ok.append(i)
+        except CellTimeoutError:
+            failure = "timeout" if client.timeout >= cell_timeout else "not-run"
+        except DeadKernelError:
+            failure = "died"
+        except Exception as exc:  # noqa: BLE001 - e.g. the kernel died while we were talking to it
+            dead = client.kc is None or not client.km or not client.km.is_alive()
+            failure = "died" if dead else "error"
+            entry.update(ename=type(exc).__name__, evalue=" ".join(str(exc).split())[:500])
+        entry["seconds"] = round(time.monotonic() - t0, 3)
+        if failure:
+            entry["status"] = failure
+            if failure == "died" and not is_test and i not in retried:
+                # A kernel can die just after the cell that killed it (ipykernel's exit() stops it once
+                # the reply is sent): run a dying student cell once more before blaming it.
+                retried.add(i)
+                queue.insert(0, i)
+            save()
+            _stop(client)
+            if deadline - time.monotonic() <= 1:
+                alive = False
+                continue
+            record["restarts"] += 1
+            try:
+                _start(client)
+                for j in ran_ok:  # replay the set-up; a failure here ends the run
+                    left = deadline - time.monotonic()
+                    if left <= 1:
+                        raise CellTimeoutError("no time left to replay")
+                    client.timeout = max(1, int(min(cell_timeout, left)))
+                    client.execute_cell(nb.cells[j], j)
+            except Exception as exc:  # noqa: BLE001
+                record["replay_error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+                _stop(client)
+                alive = False
+        save()
+    if alive:
+        _stop(client)
+    record["seconds"] = round(time.monotonic() - t_start, 3)
+    record["max_rss_mb"] = peak_rss_mb()
+    record["done"] = True
+    save()
+    return record
+
+
+def main(argv: list[str]) -> int:
+    plan = json.loads(Path(argv[0]).read_text())
+    execute(plan)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,446 @@
+"""Start a distributed job from a notebook cell: the one way this course starts processes (lesson 00).
+
+    from course_lib.launch import run
+    res = run(fn, nprocs=2, args=(...,))
+    res.returns          # fn's return value on every rank
+
+`run` starts the real launcher, ``python -m torch.distributed.run`` (torchrun), exactly as on a cluster:
+a standalone c10d rendezvous on a port the OS picks (so two notebooks never collide), one worker process
+per rank, gloo on CPU and NCCL with one GPU per rank on CUDA. The function is pickled by value
+(cloudpickle), so functions defined in a notebook cell work. Each rank writes its own log; rank 0's log is
+streamed live into the notebook. On error, timeout or interrupt the whole process tree is killed, and the
+results of ranks that finished are kept (``exc.partial``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from course_lib import procs
+
+MAX_PROCS = 64
+STREAM_LIMIT_BYTES = 200_000  # rank 0 output shown in the notebook; the log keeps everything
+
+
+class LaunchError(RuntimeError):
+    """Bad input to `run`, found before anything starts."""
+
+
+class DistributedRunError(RuntimeError):
+    """A rank failed. ``rank`` names it, ``traceback`` is that rank's own traceback, ``partial`` holds
+    the `RunResult` of the ranks that finished (``None`` for the others)."""
+
+    def __init__(self, message: str, *, rank: int | None, traceback: str, partial: "RunResult"):
+        super().__init__(message)
+        self.rank = rank
+        self.traceback = traceback
+        self.partial = partial
+
+
+class RunTimeout(DistributedRunError, TimeoutError):
+    """The run did not finish within ``timeout_s``; every process was killed."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The kernel was interrupted during a run; every process was killed. ``partial`` as above."""
+
+    def __init__(self, message: str, partial: "RunResult"):
+        super().__init__(message)
+        self.partial = partial
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a distributed run produced. Lists are indexed by rank."""
+
+    returns: list[Any]
+    logs: list[Path]
+    wall_s: float
+    backend: str
+    devices: list[str | None]
+    nprocs: int
+    run_dir: Path
+    timings: list[dict | None]  # per rank: absolute times of process start, imports, rendezvous, work
+    launch_time: float  # absolute time the launcher was started
+    threads_per_rank: int = 1
+
+    @property
+    def value(self) -> Any:
+        """Rank 0's return value."""
+        return self.returns[0]
+
+    def log(self, rank: int = 0) -> str:
+        """The text of one rank's log."""
+        path = self.logs[rank]
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def breakdown(self) -> dict[str, float]:
+        """Where the wall time went, in seconds (latest rank at each phase)."""
+        done = [t for t in self.timings if t]
+        if not done:
+            return {}
+        phase = lambda key: max(t[key] for t in done)  # noqa: E731
+        out = {
+            "launcher + process start": phase("process_start") - self.launch_time,
+            "imports (torch)": phase("imports_done") - phase("process_start"),
+            "rendezvous + process group": phase("rendezvous_done") - phase("imports_done"),
+            "work": phase("work_done") - phase("rendezvous_done"),
+        }
+        out["shutdown + collect"] = self.wall_s - sum(out.values())
+        return out
+
+    def summary(self) -> str:
+        devices = sorted({d for d in self.devices if d})
+        return (f"{self.nprocs} ranks, backend {self.backend}, devices {', '.join(devices) or '?'}, "
+                f"{self.threads_per_rank} thread(s)/rank, wall {self.wall_s:.2f} s")
+
+
+# ----------------------------------------------------------------------------------------- checks
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _check_nprocs(nprocs: Any) -> int:
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int):
+        raise LaunchError(f"nprocs={nprocs!r} must be an int: the number of ranks, e.g. nprocs=2")
+    if nprocs < 1:
+        raise LaunchError(f"nprocs={nprocs} must be at least 1: the number of ranks, e.g. nprocs=2")
+    if nprocs > MAX_PROCS:
+        raise LaunchError(f"nprocs={nprocs} is more than this launcher allows on one node ({MAX_PROCS}); "
+                          f"use a smaller number (this machine has {_cpu_count()} cores)")
+    return nprocs
+
+
+def resolve_backend(backend: str, nprocs: int) -> str:
+    """'auto' -> 'nccl' when CUDA is present, else 'gloo'; checks that the machine has what is asked."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise LaunchError(f"backend={backend!r} is not supported: use 'auto', 'gloo' or 'nccl'")
+    if backend == "nccl":
+        if not cuda:
+            raise LaunchError("backend='nccl' needs CUDA GPUs and this machine has none: "
+                              "use backend='auto' or 'gloo' to run on the CPU")
+        n_gpu = torch.cuda.device_count()
+        if nprocs > n_gpu:
+            raise LaunchError(f"nprocs={nprocs} ranks need {nprocs} GPUs (one per rank) but this machine has "
+                              f"{n_gpu}: use nprocs<={n_gpu}, or backend='gloo' to run on the CPU")
+    return backend
+
+
+def _check_port(port: int | None) -> None:
+    if port is None:
+        return
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise LaunchError(f"port={port!r} must be an int in 1..65535, or None to let the OS pick a free one")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise LaunchError(f"port={port} is already in use: pass port=None (the default) to let the OS "
+                              f"pick a free one, or choose another port") from None
+
+
+def _importable_by_workers(module) -> bool:
+    """Workers import installed packages and course_lib; anything else (a test file, a learner's module
+    beside a notebook, ``__main__``) is sent by value."""
+    path = getattr(module, "__file__", None)
+    if module.__name__ == "__main__" or not path:
+        return module.__name__ != "__main__"
+    path = os.path.realpath(path)
+    roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}
+    roots.add(str(Path(__file__).resolve().parent))  # course_lib itself
+    return any(path.startswith(root + os.sep) for root in roots)
+
+
+def _pickle_payload(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
+    import cloudpickle
+
+    if not callable(fn):
+        raise LaunchError(f"fn={fn!r} is not callable: pass the function each rank should run")
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    if module is not None and not _importable_by_workers(module):
+        cloudpickle.register_pickle_by_value(module)  # e.g. a test file or a learner's own .py next to a notebook
+    try:
+        return cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
+    except Exception as exc:  # noqa: BLE001 - pickling fails in many ways
+        raise LaunchError(
+            f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: {type(exc).__name__}: "
+            f"{exc}. Everything a rank needs must be picklable: create locks, files, sockets and "
+            f"process groups inside the function, not outside it") from None
+
+
+# --------------------------------------------------------------------------------------- the run
+
+def _new_run_dir() -> Path:
+    base = Path(os.environ.get("COURSE_RUNS_DIR", Path(tempfile.gettempdir()) / "course_runs"))
+    base.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=base))
+
+
+def _child_env(extra: dict | None, threads: int, tag: str) -> dict:
+    env = dict(os.environ)
+    env.update({
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONFAULTHANDLER": "1",
+        "TORCHELASTIC_ERROR_FILE": "",  # our worker writes its own error file
+        procs.TAG_VAR: procs.nested_tag(tag),
+    })
+    # Make sure course_lib is importable by the workers even when it is not installed.
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env.update({k: str(v) for k, v in (extra or {}).items()})
+    return env
+
+
+def torchrun_command(target: Sequence[str], nprocs: int, *, nnodes: int = 1, rdzv_endpoint: str | None = None,
+                     port: int | None = None) -> list[str]:
+    """The torchrun command line for ``target`` (``['-m', 'module', ...]`` or ``['script.py', ...]``).
+
+    One node: a standalone rendezvous on a free port (``localhost:0``) or on ``port``.
+    Several nodes: the same command on every node with ``--nnodes`` and a shared rendezvous endpoint.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}"]
+    if nnodes > 1:
+        endpoint = rdzv_endpoint or "HEAD_NODE_ADDRESS:29500"
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=course"]
+    elif port is not None:
+        cmd += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
+    else:
+        cmd += ["--standalone"]
+    return cmd + ["--max-restarts=0", "--monitor-interval=0.1", *target]
+
+
+class _Streamer:
+    """Copies new bytes of rank 0's log to our stdout (the notebook), up to a limit."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled, self.pos, self.shown = path, enabled, 0, 0
+
+    def pump(self) -> None:
+        if not self.enabled or not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.pos)
+            chunk = f.read(1 << 20)
+        self.pos += len(chunk)
+        if not chunk or self.shown > STREAM_LIMIT_BYTES:
+            return
+        room = STREAM_LIMIT_BYTES - self.shown
+        text = chunk[:room].decode("utf-8", errors="replace")
+        self.shown += len(chunk)
+        if self.shown > STREAM_LIMIT_BYTES:
+            text += f"\n[rank 0 output truncated here; the full log is {self.path}]\n"
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _collect(run_dir: Path, nprocs: int, backend: str, wall_s: float, launch_time: float,
+             threads: int) -> RunResult:
+    returns, devices, timings = [], [], []
+    for r in range(nprocs):
+        path = run_dir / f"result{r}.pkl"
+        record = None
+        if path.exists():
+            try:
+                with open(path, "rb") as f:
+                    record = pickle.load(f)
+            except Exception:  # noqa: BLE001 - a torn file counts as no result
+                record = None
+        returns.append(record["value"] if record else None)
+        devices.append(record["device"] if record else None)
+        timings.append(record["timings"] if record else None)
+    logs = [run_dir / f"rank{r}.log" for r in range(nprocs)]
+    return RunResult(returns, logs, wall_s, backend, devices, nprocs, run_dir, timings, launch_time, threads)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    if not path.exists():
+        return "(no log)"
+    text = path.read_text(errors="replace").rstrip().splitlines()
+    return "\n".join(text[-lines:]) or "(empty log)"
+
+
+def _root_cause(launcher_log: Path) -> tuple[int | None, int | None]:
+    """(rank, exit code) of the first failure in torchrun's report, if it printed one."""
+    text = launcher_log.read_text(errors="replace") if launcher_log.exists() else ""
+    _, _, report = text.partition("Root Cause")
+    rank = re.search(r"rank\s*:\s*(\d+)", report)
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", report)
+    return (int(rank.group(1)) if rank else None, int(code.group(1)) if code else None)
+
+
+def _failure(result: RunResult, launcher_log: Path, returncode: int | None) -> DistributedRunError:
+    """Build one error that names the rank that failed first and shows its own traceback."""
+    errors = []
+    for r in range(result.nprocs):
+        path = result.run_dir / f"error{r}.json"
+        if path.exists():
+            try:
+                errors.append(json.loads(path.read_text()))
+            except ValueError:
+                pass
+    if errors:
+        first = min(errors, key=lambda e: e["time"])
+        others = sorted(e["rank"] for e in errors if e is not first)
+        msg = (f"rank {first['rank']} of {result.nprocs} failed with {first['type']}: {first['message']}\n\n"
+               f"--- traceback of rank {first['rank']} ---\n{first['traceback'].rstrip()}\n")
+        if others:
+            msg += f"\n(ranks {others} failed after it, most likely because rank {first['rank']} left)"
+        msg += f"\nlogs: {result.run_dir}"
+        return DistributedRunError(msg, rank=first["rank"], traceback=first["traceback"], partial=result)
+    # No Python error: a rank died (os._exit, a signal, out of memory) or the launcher itself failed.
+    # torchrun names the first rank that died in its "Root Cause" report.
+    rank, exitcode = _root_cause(launcher_log)
+    if rank is None:
+        missing = [r for r in range(result.nprocs) if result.timings[r] is None]
+        rank = missing[0] if missing else None
+    who = f"rank {rank}" if rank is not None else "the launcher"
+    how = f"exit code {exitcode}" if exitcode is not None else f"launcher exit code {returncode}"
+    if exitcode is not None and exitcode < 0:
+        how = f"killed by signal {signal.Signals(-exitcode).name}"
+    msg = (f"{who} of {result.nprocs} exited without a Python traceback ({how}): "
+           f"it called os._exit, was killed by a signal or ran out of memory.\n")
+    if rank is not None:
+        msg += f"--- last lines of rank {rank}'s log ---\n{_tail(result.logs[rank])}\n"
+    else:
+        msg += f"--- last lines of the launcher (torchrun) ---\n{_tail(launcher_log, 20)}\n"
+    msg += f"logs: {result.run_dir}"
+    return DistributedRunError(msg, rank=rank, traceback="", partial=result)
+
+
+def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, env: dict | None,
+            stream: bool, run_dir: Path, port: int | None, threads: int) -> RunResult:
+    tag = procs.new_tag("launch")
+    launcher_log = run_dir / "launcher.log"
+    cmd = torchrun_command(target, nprocs, port=port)
+    launch_time = time.time()
+    t0 = time.perf_counter()
+    streamer = _Streamer(run_dir / "rank0.log", stream)
+    with open(launcher_log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=_child_env(env, threads, tag), cwd=os.getcwd(), start_new_session=True)
+    state = "running"
+    results = [run_dir / f"result{r}.pkl" for r in range(nprocs)]
+    all_done_at = None
+    try:
+        while True:
+            try:
+                proc.wait(timeout=0.05)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            streamer.pump()
+            now = time.perf_counter()
+            if now - t0 > timeout_s:
+                state = "timeout"
+                break
+            # Every rank has written its result: torchrun's own shutdown adds nothing, so don't wait for it.
+            if all_done_at is None and all(p.exists() for p in results):
+                all_done_at = now
+            if all_done_at is not None and now - all_done_at > 0.2:
+                state = "done"
+                break
+    except KeyboardInterrupt:
+        state = "interrupted"
+    finally:
+        procs.kill_tree(proc.pid, tag=tag, grace_s=1.0)
+        proc.wait()
+        streamer.pump()
+    wall = time.perf_counter() - t0
+    result = _collect(run_dir, nprocs, backend, wall, launch_time, threads)
+    done = [r for r in range(nprocs) if result.timings[r] is not None]
+    if state == "interrupted":
+        raise RunInterrupted(f"interrupted after {wall:.1f} s; all processes were stopped. Ranks that had "
+                             f"finished: {done}. Logs: {run_dir}", result)
+    if state == "timeout":
+        lagging = [r for r in range(nprocs) if r not in done]
+        hint = "\n".join(f"--- last lines of rank {r}'s log ---\n{_tail(result.logs[r], 8)}" for r in lagging[:2])
+        raise RunTimeout(
+            f"the run did not finish within timeout_s={timeout_s:g} s and was stopped (all processes killed). "
+            f"Ranks {lagging} had not finished (a rank waiting in a collective that another rank never calls "
+            f"hangs forever); ranks {done} had.\n{hint}\nlogs: {run_dir}",
+            rank=lagging[0] if lagging else None, traceback="", partial=result)
+    if len(done) < nprocs or (proc.returncode != 0 and state != "done"):
+        raise _failure(result, launcher_log, proc.returncode)
+    return result
+
+
+def run(fn: Callable, nprocs: int, *, args: Sequence = (), kwargs: dict | None = None, backend: str = "auto",
+        timeout_s: float = 300.0, env: dict | None = None, stream: bool = True, port: int | None = None,
+        threads_per_rank: int | None = None) -> RunResult:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks under torchrun and return every rank's result.
+
+    Inside ``fn`` the default process group is initialised (gloo on CPU, NCCL with the GPU set to
+    LOCAL_RANK on CUDA): call ``torch.distributed`` directly, or `course_lib.dist`.
+
+    Args:
+        fn: the function each rank runs; its return value comes back (tensors moved to the CPU).
+        nprocs: number of ranks (processes) on this machine.
+        backend: 'auto' (NCCL if CUDA, else gloo), 'gloo' or 'nccl'.
+        timeout_s: wall-clock limit; past it every process is killed and `RunTimeout` is raised.
+        env: extra environment variables for the ranks.
+        stream: show rank 0's output live.
+        port: rendezvous port; None lets the OS choose a free one (recommended).
+        threads_per_rank: CPU threads per rank; default shares the machine's cores among the ranks.
+    """
+    nprocs = _check_nprocs(nprocs)
+    backend = resolve_backend(backend, nprocs)
+    _check_port(port)
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise LaunchError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+    payload = _pickle_payload(fn, args, kwargs or {})
+    threads = threads_per_rank or max(1, _cpu_count() // nprocs)
+    run_dir = _new_run_dir()
+    (run_dir / "payload.pkl").write_bytes(payload)
+    (run_dir / "settings.json").write_text(json.dumps({
+        "backend": backend, "threads_per_rank": threads, "pg_timeout_s": max(30, int(timeout_s) + 30)}))
+    return _launch(["-m", "course_lib._worker", str(run_dir)], nprocs, backend, timeout_s, env, stream,
+                   run_dir, port, threads)
+
+
+def run_script(path: str | os.PathLike, nprocs: int, args: Sequence[str] = (), *, timeout_s: float = 600.0,
+               env: dict | None = None, stream: bool = True, port: int | None = None,
+               print_command: bool = False, nnodes: int = 1) -> RunResult:
+    """Run a Python script under torchrun the same way as `run` (logs, timeout, clean-up).
+
+    The script initialises its own process group (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, ...).
+    Its output goes to ``rank{R}.log`` in the run folder; rank 0's is streamed.
+    ``print_command=True`` prints the torchrun command to run it by hand, and the form for ``nnodes`` nodes.
+    ``returns`` are None for scripts: read results from files the script writes.
+    """
+    nprocs = _check_nprocs(nprocs)
+    script = Path(path)
+    if not script.is_file():
+        raise LaunchError(f"script {str(script)!r} does not exist: pass the path of a .py file")
+    _check_port(port)
+    if print_command:
+        print("one node:  ", shlex.join(torchrun_command([str(script), *args], nprocs)))
+        print(f"{max(nnodes, 2)} nodes (run on every node):",
+              shlex.join(torchrun_command([str(script), *args], nprocs, nnodes=max(nnodes, 2))))
+    threads = max(1, _cpu_count() // nprocs)
+    run_dir = _new_run_dir()
+    wrapper = ["-m", "course_lib._script", str(run_dir), str(script.resolve()), *map(str, args)]
+    return _launch(wrapper, nprocs, "script", timeout_s, env, stream, run_dir, port, threads)

@@ -1,0 +1,167 @@
+"""Rank-side harness for the graded exercises of lesson 02 (solutions/02_data_parallel.ipynb).
+
+The test cells run these functions on gloo ranks with `launch.run`, passing the learner's function, and
+compare what comes back with a single-process reference. Two instruments make wrong answers visible:
+
+* `count_p2p_bytes()`: counts the bytes a rank hands to ``send``/``isend``/``batch_isend_irecv`` and
+  refuses collectives (a ring all-reduce must be built from point-to-point messages);
+* `deferred_all_reduce()`: an asynchronous ``dist.all_reduce`` only reduces when its handle is waited on,
+  so a DDP that forgets ``wait()`` gets un-reduced gradients every time, not just when it loses a race.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from course_lib.parallel import ddp_experiments as E
+from course_lib.parallel.ddp import make_buckets
+
+__all__ = ["relative_error", "scale_vs", "count_p2p_bytes", "deferred_all_reduce", "rank_check_ring",
+           "rank_check_ddp_class", "expected_buckets"]
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter")
+
+
+def _flat(d: dict) -> torch.Tensor:
+    return torch.cat([v.reshape(-1).double() for _, v in sorted(d.items())])
+
+
+def relative_error(actual: dict, expected: dict) -> float:
+    """||a - e|| / ||e|| over all tensors of two {name: tensor} dicts (one number a message can show)."""
+    if actual is None or set(actual) != set(expected):
+        return float("inf")
+    a, e = _flat(actual), _flat(expected)
+    return float((a - e).norm() / e.norm())
+
+
+def scale_vs(actual: dict, expected: dict) -> float:
+    """The best factor s with actual ~ s x expected: 2.00 for a sum over 2 ranks instead of the mean."""
+    if actual is None or set(actual) != set(expected):
+        return float("nan")
+    a, e = _flat(actual), _flat(expected)
+    return float(a @ e / (e @ e))
+
+
+@contextlib.contextmanager
+def count_p2p_bytes():
+    """Count bytes sent with send/isend (batch_isend_irecv included); any collective raises. Yields a dict."""
+    from torch.distributed import distributed_c10d as c10d
+
+    stats = {"bytes_sent": 0}
+    real = {"send": c10d.send, "isend": c10d.isend}
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counting(name):
+        def fn(tensor, *a, **k):
+            stats["bytes_sent"] += tensor.numel() * tensor.element_size()
+            return real[name](tensor, *a, **k)
+        return fn
+
+    def refuse(name):
+        def fn(*a, **k):
+            raise RuntimeError(f"ring_all_reduce called dist.{name}: build it from send/recv (isend/irecv) only")
+        return fn
+
+    patched = {name: counting(name) for name in real}
+    for mod in (dist, c10d):            # c10d too: batch_isend_irecv checks P2POp.op against c10d.isend
+        for name, fn in patched.items():
+            setattr(mod, name, fn)
+    for name in _COLLECTIVES:
+        setattr(dist, name, refuse(name))
+    try:
+        yield stats
+    finally:
+        for mod in (dist, c10d):
+            for name, fn in real.items():
+                setattr(mod, name, fn)
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def rank_check_ring(ring_fn, sizes, n_list=(None,)) -> list[dict]:
+    """Run ``ring_fn(tensor, group)`` on integer-valued tensors (sums are exact) for every size in `sizes`
+    and every group size in `n_list` (None: all ranks; k: ranks 0..k-1). Returns one record per call:
+    world size, numel, whether the result equals dist.all_reduce's, bytes sent, and an error if any."""
+    from course_lib import dist as cdist
+
+    r, dev = dist.get_rank(), cdist.device()
+    groups = {k: (None if k is None else dist.new_group(list(range(k)))) for k in n_list}  # all ranks create
+    out = []
+    for k, group in groups.items():
+        n = dist.get_world_size() if k is None else k
+        if r >= n:
+            continue
+        for numel in sizes:
+            shape = (numel,) if numel % 3 or numel == 0 else (3, numel // 3)
+            t = (torch.arange(numel, dtype=torch.float32, device=dev).reshape(shape) % 97) * (r + 1) + r
+            expected = t.clone()
+            dist.all_reduce(expected, group=group)
+            rec = {"world_size": n, "numel": numel, "rank": dist.get_rank(group), "error": None}
+            try:
+                with count_p2p_bytes() as stats:
+                    result = ring_fn(t, group)
+                rec["bytes_sent"] = stats["bytes_sent"]
+                rec["correct"] = bool(torch.equal(t, expected))
+                rec["returned_tensor"] = result is t or (isinstance(result, torch.Tensor) and torch.equal(result, t))
+                rec["max_error"] = float((t - expected).abs().max()) if numel else 0.0
+            except Exception as exc:  # noqa: BLE001 - reported to the test cell
+                rec["error"] = f"{type(exc).__name__}: {exc}"
+                return out + [rec]        # the ring is broken: stop before the next call hangs
+            out.append(rec)
+    return out
+
+
+class _DeferredWork:
+    def __init__(self, real_all_reduce, tensor, kwargs):
+        self._fn, self._tensor, self._kwargs, self._done = real_all_reduce, tensor, kwargs, False
+
+    def wait(self, *a, **k):
+        if not self._done:
+            self._fn(self._tensor, **self._kwargs)
+            self._done = True
+        return True
+
+    def is_completed(self):
+        return self._done
+
+
+@contextlib.contextmanager
+def deferred_all_reduce():
+    """Make ``dist.all_reduce(..., async_op=True)`` reduce only when the handle is waited on; count the
+    asynchronous and synchronous calls. Yields a dict {'async_calls', 'sync_calls'}."""
+    stats = {"async_calls": 0, "sync_calls": 0}
+    real = dist.all_reduce
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if async_op:
+            stats["async_calls"] += 1
+            return _DeferredWork(real, tensor, {"op": op, "group": group})
+        stats["sync_calls"] += 1
+        return real(tensor, op=op, group=group)
+
+    dist.all_reduce = all_reduce
+    try:
+        yield stats
+    finally:
+        dist.all_reduce = real
+
+
+def expected_buckets(cfg, bucket_cap_mb: float) -> int:
+    """How many buckets `make_buckets` (and `BucketedDDP` without a first-bucket cap) makes for a model of
+    `cfg` with this cap."""
+    params = list(E.build_model(cfg).parameters())
+    return len(make_buckets(list(reversed(params)), bucket_cap_mb * 2**20))
+
+
+def rank_check_ddp_class(ddp_cls, cfg, batches, bucket_cap_mb: float) -> dict:
+    """Train with the learner's DDP class twice: with the real asynchronous all-reduce, and with
+    `deferred_all_reduce` (a missing wait then always shows). Returns both results and the call counts;
+    the loss all-reduce of `rank_train` (synchronous, one per step) is included in 'sync_calls'."""
+    real = E.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=bucket_cap_mb, ddp_cls=ddp_cls)
+    with deferred_all_reduce() as stats:
+        deferred = E.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=bucket_cap_mb, ddp_cls=ddp_cls)
+    return {"real": real, "deferred": deferred, **stats}

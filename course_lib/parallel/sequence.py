@@ -1,0 +1,109 @@
+"""Sequence parallelism: collectives along the sequence dimension (lesson 04).
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4.2.2) split
+the regions between the tensor-parallel layers (LayerNorm, dropout, residual adds) along the sequence: there the
+activations are (B, T/t, C) on each rank. An all-reduce is a reduce-scatter followed by an all-gather, so
+
+    g (all-reduce forward)  becomes  `scatter_to_sequence`: reduce-scatter forward, all-gather backward
+    f (all-reduce backward) becomes  `gather_from_sequence`: all-gather forward, reduce-scatter backward
+
+`SequenceParallelLinear` fuses the all-gather with the column-parallel matmul and gathers its input *again* in
+backward instead of keeping the (B, T, C) copy: only the (B, T/t, C) shard is saved, so every activation of a
+layer is divided by t. Sequences are batch-first here, (B, T, C), so gathering along T (dim 1) transposes to
+(T, B, C) around the collective (Megatron-LM keeps activations sequence-first for this reason).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = ["all_gather_sequence", "reduce_scatter_sequence", "gather_from_sequence", "scatter_to_sequence",
+           "SequenceParallelLinear"]
+
+
+def _check_seq(T: int, tp: int) -> None:
+    if T % tp:
+        raise ValueError(f"sequence parallelism splits the sequence across the tp={tp} ranks: sequence length "
+                         f"T={T} is not divisible by tp={tp}; use T in multiples of {tp}")
+
+
+def all_gather_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """(B, T/t, C) on every rank -> (B, T, C): the ranks' sequence shards in rank order (no autograd)."""
+    tp = dist.get_world_size(group)
+    if tp == 1:
+        return x
+    xs = x.transpose(0, 1).contiguous()                              # (T/t, B, C)
+    out = xs.new_empty((tp * xs.shape[0], *xs.shape[1:]))            # (T, B, C)
+    dist.all_gather_into_tensor(out, xs, group=group)
+    return out.transpose(0, 1)                                       # (T, B, C) -> (B, T, C)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """(B, T, C) partial sums on every rank -> (B, T/t, C): rank r gets the sum of sequence shard r."""
+    tp = dist.get_world_size(group)
+    _check_seq(x.shape[1], tp)
+    if tp == 1:
+        return x
+    xs = x.transpose(0, 1).contiguous()                              # (T, B, C)
+    out = xs.new_empty((xs.shape[0] // tp, *xs.shape[1:]))           # (T/t, B, C)
+    dist.reduce_scatter_tensor(out, xs, op=dist.ReduceOp.SUM, group=group)
+    return out.transpose(0, 1)                                       # (T/t, B, C) -> (B, T/t, C)
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """All-gather forward, reduce-scatter backward (the sequence-parallel form of f)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad, ctx.group), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """Reduce-scatter forward, all-gather backward (the sequence-parallel form of g)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.group), None
+
+
+def gather_from_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """(B, T/t, C) -> (B, T, C): all-gather forward, reduce-scatter backward."""
+    return _GatherFromSequence.apply(x, group)
+
+
+def scatter_to_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """(B, T, C) partial -> (B, T/t, C) summed: reduce-scatter forward, all-gather backward."""
+    return _ScatterToSequence.apply(x, group)
+
+
+class SequenceParallelLinear(torch.autograd.Function):
+    """All-gather the input along the sequence, then ``x W^T + b``. Backward gathers the input again rather
+    than keeping the (B, T, C) copy: only the (B, T/t, C) shard is saved (Korthikanti et al. 2022, 4.2.2)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(all_gather_sequence(x, group), weight, bias)    # (B, T/t, C) -> (B, T, C) -> (B, T, out/t)
+
+    @staticmethod
+    def backward(ctx, grad):                                             # grad (B, T, out/t)
+        x, weight = ctx.saved_tensors
+        full = all_gather_sequence(x, ctx.group)                         # re-gather: (B, T, C)
+        grad_x = reduce_scatter_sequence(grad @ weight, ctx.group)       # partial (B, T, C) -> (B, T/t, C)
+        g2 = grad.reshape(-1, grad.shape[-1])                            # (B*T, out/t)
+        grad_w = g2.t() @ full.reshape(-1, full.shape[-1])               # (out/t, C)
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None

@@ -1,0 +1,315 @@
+"""Rank-side harness for the graded exercises of lesson 04 (solutions/04_tensor_parallel.ipynb).
+
+The learner writes, with the signatures below, and the test cells pass them to `rank_check_all` on gloo ranks:
+
+    ColumnParallel(full: nn.Linear, group=None)    weight (out/t, in) = rows of full.weight, bias (out/t)
+    RowParallel(full: nn.Linear, group=None)       weight (out, in/t) = columns of full.weight, bias (out) whole
+    ParallelMLP(mlp: course_lib.model.MLP, group=None)                 .fc column-parallel, .proj row-parallel
+    vocab_parallel_cross_entropy(local_logits (B, T, V/t), targets (B, T), group=None) -> mean loss
+
+Every check compares with the full layer on one process (each rank computes it itself) and counts the
+collectives forward and backward (`CollectiveCounter`), so a missing all-reduce, an all-reduce in the wrong
+direction or a wrong shard fails with a one-line message that says which. All checks of several exercises
+run in one launch: each rank returns a list of records, and `assert_records` turns them into `check_*` calls.
+A failure inside one exercise is recorded, and the others still run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from course_lib import dist as cdist
+from course_lib.parallel.comm_count import CollectiveCounter
+from course_lib.parallel.tensor_experiments import tp_group
+
+__all__ = ["rank_check_all", "assert_records", "reference_impls", "wrong_impls", "EXERCISES"]
+
+EXERCISES = {"column": "04-column-parallel", "row": "04-row-parallel", "mlp": "04-parallel-mlp",
+             "vocab_ce": "04-vocab-ce"}
+B, T, IN, OUT, V = 2, 4, 12, 16, 32     # in != out, so a shard along the wrong dimension has the wrong shape
+
+
+def _rel(a: torch.Tensor, e: torch.Tensor) -> float:
+    if a is None or tuple(a.shape) != tuple(e.shape):
+        return float("inf")
+    return float((a.double() - e.double()).norm() / e.double().norm().clamp_min(1e-30))
+
+
+def _calls(counter: CollectiveCounter, phase: str) -> dict:
+    return {op: row["calls"] for (p, op), row in sorted(counter.table().items()) if p == phase}
+
+
+class _Records:
+    def __init__(self, exercise: str, tp: int, variant: str = ""):
+        self.exercise, self.tp, self.rank, self.items, self.variant = exercise, tp, dist.get_rank(), [], variant
+
+    def add(self, kind: str, what: str, actual, expected, hint: str = "", tol: float = 1e-5):
+        name = f"{self.exercise}, tp={self.tp}, rank {self.rank}: {what}"
+        self.items.append(dict(exercise=self.exercise, variant=self.variant, tp=self.tp, kind=kind, name=name, actual=actual,
+                               expected=expected, hint=hint, tol=tol))
+
+
+def _inputs(shape, seed, dev):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dev)
+
+
+def _counted_step(layer, x, w):
+    """Forward and backward of sum(layer(x) * w), with the collectives of each phase counted."""
+    counter = CollectiveCounter()
+    with counter:
+        with counter.phase("forward"):
+            y = layer(x)
+        with counter.phase("backward"):
+            (y * w).sum().backward()
+    return y, counter
+
+
+def _check_column(cls, rec, group, dev):
+    tp, r = dist.get_world_size(group), dist.get_rank(group)
+    torch.manual_seed(0)
+    full = nn.Linear(IN, OUT).to(dev)
+    x, w = _inputs((B, T, IN), 1, dev), _inputs((B, T, OUT), 2, dev)       # loss = sum(y * w)
+    xr = x.clone().requires_grad_()
+    (full(xr) * w).sum().backward()
+    n = OUT // tp
+    rows = slice(r * n, (r + 1) * n)
+    layer = cls(full, group)
+    rec.add("equal", "shape of the weight shard", list(layer.weight.shape), [n, IN],
+            "a column-parallel layer splits the OUTPUT features: rank r keeps rows r*out/t..(r+1)*out/t of weight (dim 0)")
+    rec.add("close", "weight shard = this rank's rows of the full weight (relative error)",
+            _rel(layer.weight.detach(), full.weight.detach()[rows]), 0.0, "rows r*out/t..(r+1)*out/t, in rank order")
+    xl = x.clone().requires_grad_()
+    y, counter = _counted_step(layer, xl, w[..., rows])
+    rec.add("equal", "collectives in forward", _calls(counter, "forward"), {},
+            "f is the identity in forward: the input is already on every rank (put the all-reduce in backward)")
+    rec.add("equal", "collectives in backward", _calls(counter, "backward"), {"all_reduce": 1},
+            "f's backward must all-reduce the input gradient: each rank holds only its output columns' part")
+    rec.add("close", "output = this rank's columns of the full output (relative error)",
+            _rel(y.detach(), full(x).detach()[..., rows]), 0.0, "y = F.linear(f(x), weight_shard, bias_shard)")
+    rec.add("close", "input gradient = one process's (relative error)", _rel(xl.grad, xr.grad), 0.0,
+            "f's backward sums the partial input gradients of all ranks (dist.all_reduce)")
+    rec.add("close", "weight gradient = this rank's rows of one process's (relative error)",
+            _rel(layer.weight.grad, full.weight.grad[rows]), 0.0, "slice weight and bias along dim 0")
+
+
+def _check_row(cls, rec, group, dev):
+    tp, r = dist.get_world_size(group), dist.get_rank(group)
+    torch.manual_seed(0)
+    full = nn.Linear(OUT, IN).to(dev)                                   # 16 -> 12
+    x, w = _inputs((B, T, OUT), 3, dev), _inputs((B, T, IN), 4, dev)
+    xr = x.clone().requires_grad_()
+    (full(xr) * w).sum().backward()
+    n = OUT // tp
+    cols = slice(r * n, (r + 1) * n)
+    layer = cls(full, group)
+    rec.add("equal", "shape of the weight shard", list(layer.weight.shape), [IN, n],
+            "a row-parallel layer splits the INPUT features: rank r keeps columns r*in/t..(r+1)*in/t of weight (dim 1)")
+    rec.add("close", "weight shard = this rank's columns of the full weight (relative error)",
+            _rel(layer.weight.detach(), full.weight.detach()[:, cols]), 0.0, "columns r*in/t..(r+1)*in/t")
+    xl = x[..., cols].clone().requires_grad_()                          # this rank's input features
+    y, counter = _counted_step(layer, xl, w)
+    rec.add("equal", "collectives in forward", _calls(counter, "forward"), {"all_reduce": 1},
+            "g all-reduces the partial outputs in forward (each rank computed x_r W_r^T, a partial sum)")
+    rec.add("equal", "collectives in backward", _calls(counter, "backward"), {},
+            "g is the identity in backward: the output gradient is already the same on every rank")
+    rec.add("close", "output = one process's full output (relative error)", _rel(y.detach(), full(x).detach()), 0.0,
+            "sum the partial outputs with g, then add the bias once (after the sum, not on every rank)")
+    rec.add("close", "input gradient = this rank's columns of one process's (relative error)",
+            _rel(xl.grad, xr.grad[..., cols]), 0.0, "no communication in backward: g's backward returns grad unchanged")
+    rec.add("close", "weight gradient = this rank's columns of one process's (relative error)",
+            _rel(layer.weight.grad, full.weight.grad[:, cols]), 0.0, "slice the weight along dim 1")
+    rec.add("close", "bias gradient = one process's (relative error)",
+            _rel(layer.bias.grad, full.bias.grad), 0.0, "the bias is whole on every rank and added after the sum")
+
+
+def _check_mlp(cls, rec, group, dev):
+    from course_lib.config import ModelConfig
+    from course_lib.model import MLP
+
+    tp, r = dist.get_world_size(group), dist.get_rank(group)
+    cfg = ModelConfig(vocab_size=32, seq_len=T, n_layer=1, n_head=4, d_model=8, d_ff=16)
+    torch.manual_seed(0)
+    full = MLP(cfg).to(dev)
+    x, w = _inputs((B, T, 8), 5, dev), _inputs((B, T, 8), 6, dev)
+    xr = x.clone().requires_grad_()
+    (full(xr) * w).sum().backward()
+    n = cfg.d_ff // tp
+    layer = cls(full, group)
+    xl = x.clone().requires_grad_()
+    counter = CollectiveCounter()
+    with counter:
+        with counter.phase("forward"):
+            y = layer(xl)
+        with counter.phase("backward"):
+            (y * w).sum().backward()
+    rec.add("equal", "collectives in forward", _calls(counter, "forward"), {"all_reduce": 1},
+            "column then row: the only forward all-reduce is g's, after proj; GELU needs no communication")
+    rec.add("equal", "collectives in backward", _calls(counter, "backward"), {"all_reduce": 1},
+            "the only backward all-reduce is f's, before fc")
+    rec.add("close", "output = one process's MLP (relative error)", _rel(y.detach(), full(x).detach()), 0.0,
+            "fc column-parallel, GELU (approximate='tanh') on the local F/t features, proj row-parallel")
+    rec.add("close", "input gradient = one process's (relative error)", _rel(xl.grad, xr.grad), 0.0,
+            "fc must be column-parallel (f before it), proj row-parallel (g after it)")
+    rec.add("close", "fc weight gradient = this rank's rows (relative error)",
+            _rel(layer.fc.weight.grad, full.fc.weight.grad[r * n:(r + 1) * n]), 0.0, "self.fc = ColumnParallel(mlp.fc)")
+    rec.add("close", "proj weight gradient = this rank's columns (relative error)",
+            _rel(layer.proj.weight.grad, full.proj.weight.grad[:, r * n:(r + 1) * n]), 0.0,
+            "self.proj = RowParallel(mlp.proj)")
+
+
+def _check_vocab_ce(fn, rec, group, dev):
+    tp, r = dist.get_world_size(group), dist.get_rank(group)
+    logits = _inputs((B, T, V), 7, dev) * 3
+    targets = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(8)).to(dev)
+    full = logits.clone().requires_grad_()
+    ref = F.cross_entropy(full.flatten(0, 1), targets.flatten())
+    ref.backward()
+    n = V // tp
+    cols = slice(r * n, (r + 1) * n)
+    local = logits[..., cols].clone().requires_grad_()                 # this rank's vocabulary columns
+    counter = CollectiveCounter()
+    with counter:
+        with counter.phase("forward"):
+            loss = fn(local, targets, group)
+        with counter.phase("backward"):
+            loss.backward()
+    rec.add("close", "loss = F.cross_entropy of the full logits", float(loss), float(ref), "log(sum over ALL ranks of "
+            "exp(z - max)) - (z_target - max); the target logit lives on one rank only (the others add 0)", tol=1e-5)
+    rec.add("close", "gradient of the local logits = this rank's columns of one process's (relative error)",
+            _rel(local.grad, full.grad[..., cols]), 0.0,
+            "sum exp and the target logit with reduce_from_tp (identity backward); subtract the max detached")
+    moved = counter.bytes()
+    rec.add("equal", "no rank gathers the full logits (bytes communicated < the local logits' size)",
+            moved < local.numel() * local.element_size(), True,
+            "communicate (B, T) numbers (max, sum of exponentials, target logit), never (B, T, V) logits")
+
+
+_CHECKS = {"column": _check_column, "row": _check_row, "mlp": _check_mlp, "vocab_ce": _check_vocab_ce}
+
+
+def rank_check_all(impls: dict, tps=(2, 4)) -> list[dict]:
+    """Run the checks of every exercise in `impls` ({"column": cls, "row": cls, "mlp": cls, "vocab_ce": fn};
+    a key may carry a label, "column/missing all-reduce", to check several answers to one exercise)
+    for each tp (groups of tp consecutive ranks); returns this rank's records (see `assert_records`)."""
+    dev = cdist.device()
+    records = []
+    for tp in tps:
+        group = tp_group(tp)
+        for key, impl in impls.items():
+            kind, _, variant = key.partition("/")           # "column" or "column/a label" (tests of wrong answers)
+            rec = _Records(EXERCISES[kind], tp, variant)
+            try:
+                _CHECKS[kind](impl, rec, group, dev)
+            except Exception as exc:  # noqa: BLE001 - a learner's error becomes a failed check, not a crash
+                msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+                rec.add("equal", f"runs without error ({msg})", False, True,
+                        "the message above says where; NotImplementedError means the exercise is still a stub")
+            records += rec.items
+    return records
+
+
+def assert_records(returns: list, exercise: str, tps=None) -> int:
+    """Turn the records of every rank for `exercise` into check_* calls (the first failure raises
+    `CheckFailed` with a one-line message). Returns the number of checks that passed."""
+    from course_lib.grading.check import check_close, check_equal
+
+    n = 0
+    for records in returns:
+        for rec in records:
+            if rec["exercise"] != exercise or (tps is not None and rec["tp"] not in tps):
+                continue
+            if rec["kind"] == "close":
+                check_close(rec["name"], rec["actual"], rec["expected"], rtol=rec["tol"], atol=rec["tol"],
+                            hint=rec["hint"])
+            else:
+                check_equal(rec["name"], rec["actual"], rec["expected"], hint=rec["hint"])
+            n += 1
+    if n == 0:
+        raise AssertionError(f"no results for {exercise}: did the launch run?")
+    return n
+
+
+# ------------------------------------------------------------------ reference and wrong answers (tests)
+
+def _column(full, group=None):
+    from course_lib.parallel.tensor import ColumnParallelLinear
+    return ColumnParallelLinear.from_linear(full, group)
+
+
+def _row(full, group=None):
+    from course_lib.parallel.tensor import RowParallelLinear
+    return RowParallelLinear.from_linear(full, group)
+
+
+def _mlp(mlp, group=None):
+    from course_lib.parallel.tensor import ParallelMLP
+    return ParallelMLP.from_mlp(mlp, group)
+
+
+def reference_impls() -> dict:
+    from course_lib.parallel.vocab import vocab_parallel_cross_entropy
+    return {"column": _column, "row": _row, "mlp": _mlp, "vocab_ce": vocab_parallel_cross_entropy}
+
+
+class _NoAllReduceBackward(torch.autograd.Function):      # wrong f: forgets the backward all-reduce
+    @staticmethod
+    def forward(ctx, x, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _AllReduceForward(torch.autograd.Function):          # wrong f: all-reduces in forward instead
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _WrongColumn(nn.Module):
+    def __init__(self, full, group=None, f=_NoAllReduceBackward, dim=0):
+        super().__init__()
+        tp, r = dist.get_world_size(group), dist.get_rank(group)
+        self.group, self.f = group, f
+        self.weight = nn.Parameter(full.weight.detach().chunk(tp, dim)[r].clone())
+        self.bias = nn.Parameter(full.bias.detach().chunk(tp, 0)[r].clone())
+
+    def forward(self, x):
+        return F.linear(self.f.apply(x, self.group), self.weight, self.bias)
+
+
+def _local_ce(local_logits, targets, group=None):              # wrong: softmax over this rank's columns only
+    r = dist.get_rank(group)
+    n = local_logits.shape[-1]
+    t = (targets - r * n).clamp(0, n - 1)
+    return F.cross_entropy(local_logits.flatten(0, 1), t.flatten())
+
+
+def wrong_impls() -> dict:
+    """One wrong answer per kind of mistake; `tests/test_tensor.py` checks that each fails with a clear message."""
+    import functools
+    return {"column/missing all-reduce": _WrongColumn,
+            "column/all-reduce in forward": functools.partial(_WrongColumn, f=_AllReduceForward),
+            "column/wrong shard dim": functools.partial(_WrongColumn, dim=1),
+            "row/column layer": _column,
+            "mlp/row layers": lambda mlp, group=None: _MLPWith(_row, _row, mlp, group),
+            "vocab_ce/local softmax": _local_ce}
+
+
+class _MLPWith(nn.Module):
+    def __init__(self, col, row, mlp, group=None):
+        super().__init__()
+        self.fc, self.proj = col(mlp.fc, group), row(mlp.proj, group)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))

@@ -1,0 +1,317 @@
+"""ZeRO stages 1, 2 and 3 applied to a plain model (lesson 05).
+
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models":
+data parallelism keeps a full copy of the model state on every rank; ZeRO shards it over the N ranks.
+
+    stage 1 (P_os)     optimizer state sharded: rank r updates only its shard of every parameter,
+                       then the parameters are all-gathered
+    stage 2 (P_os+g)   + gradients sharded: each gradient is reduce-scattered as soon as backward has
+                       produced it, and only the own shard is kept
+    stage 3 (P_os+g+p) + parameters sharded: a layer's parameters are all-gathered just before its forward
+                       (and again before its backward) and freed right after
+
+Layout (as in PyTorch FSDP2): every parameter tensor is flattened, padded with zeros to a multiple of N and
+cut into N equal chunks; rank r owns chunk r of every parameter. Its "shard" is the list of its chunks.
+The optimizer (any ``torch.optim`` class, e.g. AdamW) is built over the chunks only, so its state is 1/N.
+
+    zero = ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-3)   # default process group
+    loss = model.loss(x_local, y_local); loss.backward()
+    zero.step(); zero.zero_grad()
+
+On a bf16/fp16 model (``model.to(torch.bfloat16)``) the optimizer steps fp32 master copies of the chunks and the
+gradient shards stay 16-bit: the measured state is the mixed-precision formula, 16P bytes sharded as ZeRO says.
+
+Every collective's payload is counted (``zero.bytes``): all-gather = its output, reduce-scatter = its input,
+as in `course_lib.parallel.comm_count`. A rank sends (N-1)/N of each payload over a ring.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from course_lib.measure import _unique_bytes
+
+__all__ = ["ZeroOptimizer", "apply_zero", "all_gather_flat", "reduce_scatter_flat", "chunk_numel", "fill_param",
+           "free_param"]
+
+
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """(c,) on every rank -> (N*c,) = rank 0's chunk, rank 1's, ... (all_gather_single from torch 2.14 on)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
+
+def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """(N*c,) on every rank -> (c,) = the sum over ranks of chunk `rank` (reduce_scatter_single from 2.14 on)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, input, op=dist.ReduceOp.SUM, group=group)
+
+
+def chunk_numel(numel: int, world: int) -> int:
+    """Elements of one rank's chunk of a parameter with `numel` elements: ceil(numel / world)."""
+    return math.ceil(numel / world)
+
+
+def fill_param(param: nn.Parameter, full: torch.Tensor) -> None:
+    """ZeRO-3 just-in-time gather, second half: give `param` its storage back (freed by `free_param`) and
+    copy the gathered values in. full: (N*c,) every rank's chunk in rank order, padded (N*c >= numel)."""
+    storage = param.data.untyped_storage()
+    if storage.nbytes() == 0:
+        storage.resize_(param.numel() * param.element_size())
+    param.data.copy_(full[:param.numel()].view_as(param))                              # (N*c,) -> param shape
+
+
+def free_param(param: nn.Parameter) -> None:
+    """ZeRO-3 free: release the full parameter's memory; the tensor (and what autograd saved of it) stays,
+    with an empty storage, until `fill_param` fills it again (the trick of FSDP1)."""
+    param.data.untyped_storage().resize_(0)
+
+
+class ZeroOptimizer:
+    """ZeRO stage 1, 2 or 3 over `group` for a plain model, fp32 (see the module docstring).
+
+    Call ``step()`` after ``backward()`` and ``zero_grad()`` after ``step()``. Parameters are grouped in
+    units (default: each block of ``model.blocks``, and the model itself for the rest); each unit is
+    communicated with one collective (one reduce-scatter of its gradients, one all-gather of its parameters),
+    as FSDP does. Stage 3 gathers a unit in a forward pre-hook, frees it after its forward, gathers it again
+    when the gradient of its output arrives and frees it once its gradients are reduce-scattered; the root
+    unit (embeddings, final norm, head) stays gathered from its forward to the end of backward.
+    ``gather_fn(param, chunk, group)`` (stage 3: all-gather one parameter, one collective per tensor) and
+    ``free_fn(param)`` replace the built-in gather and free (the exercise plugs in its own).
+    """
+
+    def __init__(self, model: nn.Module, optimizer_cls=torch.optim.AdamW, stage: int = 1, group=None,
+                 units: list[nn.Module] | None = None, gather_fn: Callable | None = None,
+                 free_fn: Callable | None = None, **optimizer_kwargs):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage={stage}: ZeRO stages are 1, 2 or 3 (stage 0 is plain data parallelism)")
+        self.model, self.stage, self.group = model, stage, group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.gather_fn, self.free_fn = gather_fn, free_fn or free_param
+        self.bytes = collections.Counter()          # payload bytes per collective name
+        self.calls = collections.Counter()
+        self.params = [p for p in model.parameters() if p.requires_grad]   # tied weights appear once
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        for p in self.params:                       # every rank starts from rank 0's weights
+            dist.broadcast(p.data, src=src, group=group)
+        self._make_units(units)
+        N, r = self.world, self.rank
+        self.sizes = [chunk_numel(p.numel(), N) for p in self.params]      # c_i
+        self.flat, self.chunks, self.unit_shard = [None] * len(self.params), [None] * len(self.params), []
+        # Mixed precision (a bf16/fp16 model): the optimizer steps fp32 master copies of the chunks; the model's
+        # chunks (`views`) and gradient shards stay in the model's dtype. fp32: the views are the chunks.
+        self.mixed = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.params)
+        self.views, self.grad_shards = [None] * len(self.params), [None] * len(self.params)
+        for k, ids in enumerate(self.units):
+            offsets = self._offsets(k)
+            shard = torch.zeros(offsets[-1], dtype=self.params[ids[0]].dtype, device=self.params[ids[0]].device)
+            for j, i in enumerate(ids):
+                p, c = self.params[i], self.sizes[i]
+                flat = torch.zeros(N * c, dtype=p.dtype, device=p.device)          # (N*c,) padded
+                flat[:p.numel()] = p.data.reshape(-1)
+                if stage == 3:
+                    shard[offsets[j]:offsets[j + 1]] = flat[r * c:(r + 1) * c]
+                    mine = shard[offsets[j]:offsets[j + 1]]                     # (c,) view of the unit shard
+                    free_param(p)                   # gathered just in time by the hooks
+                else:
+                    p.data = flat[:p.numel()].view_as(p)   # the model parameter lives in the padded buffer
+                    self.flat[i] = flat
+                    mine = flat[r * c:(r + 1) * c]  # (c,) own chunk: a view, updated in place
+                self.views[i] = mine
+                self.chunks[i] = nn.Parameter(mine.float().clone() if self.mixed else mine)   # (c,) fp32
+            self.unit_shard.append(shard if stage == 3 else None)
+        self.optimizer = optimizer_cls(self.chunks, **optimizer_kwargs)
+        self._ready = [0] * len(self.units)
+        self._gathered = [stage < 3] * len(self.units)
+        self._hooks = []
+        if stage >= 2:
+            for i, p in enumerate(self.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
+        if stage == 3:
+            for k, u in enumerate(self.unit_modules):
+                self._hooks.append(u.register_forward_pre_hook(lambda m, a, k=k: self._gather_unit(k)))
+                if u is not self.model:             # the root stays gathered until its backward is done
+                    self._hooks.append(u.register_forward_hook(lambda m, a, out, k=k: self._after_forward(k, out)))
+
+    def _make_units(self, units) -> None:
+        if units is None:
+            units = list(getattr(self.model, "blocks", [])) + [self.model]
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self.units, self.unit_modules, self._unit_of, seen = [], [], {}, set()
+        for u in units:                             # a parameter belongs to the first unit that holds it
+            ids = [index[id(p)] for p in u.parameters() if id(p) in index and id(p) not in seen]
+            if not ids:
+                continue
+            seen.update(id(self.params[i]) for i in ids)
+            for i in ids:
+                self._unit_of[i] = len(self.units)
+            self.units.append(ids)
+            self.unit_modules.append(u)
+        missing = [i for i in range(len(self.params)) if id(self.params[i]) not in seen]
+        if missing:
+            raise ValueError(f"{len(missing)} parameters are in no unit: pass units that cover the whole model")
+
+    def _offsets(self, k: int) -> list[int]:
+        out = [0]
+        for i in self.units[k]:
+            out.append(out[-1] + self.sizes[i])
+        return out
+
+    # ------------------------------------------------------------------------------ one unit, one collective
+
+    @torch.no_grad()
+    def _reduce_scatter_unit(self, k: int) -> None:
+        """Every parameter's full gradient of unit k -> the own chunks of their mean over ranks (c_i,)."""
+        ids, off, N = self.units[k], self._offsets(k), self.world
+        p0 = self.params[ids[0]]
+        send = torch.zeros(N, off[-1], dtype=p0.dtype, device=p0.device)     # (N, S_k): row r goes to rank r
+        for j, i in enumerate(ids):
+            g, c = self.params[i].grad, self.sizes[i]
+            if g is not None:
+                padded = torch.zeros(N * c, dtype=g.dtype, device=g.device)
+                padded[:g.numel()] = g.reshape(-1)
+                send[:, off[j]:off[j + 1]] = padded.view(N, c)                 # (N*c,) -> (N, c)
+        out = torch.empty(off[-1], dtype=p0.dtype, device=p0.device)          # (S_k,)
+        reduce_scatter_flat(out, send.view(-1), group=self.group)
+        self.bytes["reduce_scatter"] += send.numel() * send.element_size()
+        self.calls["reduce_scatter"] += 1
+        out.div_(N)
+        for j, i in enumerate(ids):
+            mine, chunk = out[off[j]:off[j + 1]], self.chunks[i]
+            if self.mixed:                          # kept in the model's dtype until the step
+                g = self.grad_shards[i]
+                self.grad_shards[i] = mine if g is None else g.add_(mine)
+            else:
+                chunk.grad = mine if chunk.grad is None else chunk.grad.add_(mine)   # accumulation adds, once
+            if self.stage >= 2:
+                self.params[i].grad = None          # only the shard of the gradient stays
+        self._ready[k] = 0
+
+    @torch.no_grad()
+    def _all_gather_unit(self, k: int) -> None:
+        """Own chunks of unit k -> every parameter of the unit in full (stage 3: storage given back)."""
+        ids, off, N = self.units[k], self._offsets(k), self.world
+        if self.gather_fn is not None:              # one collective per parameter, by the given function
+            for i in ids:
+                self.gather_fn(self.params[i], self.views[i].detach(), self.group)
+                self.bytes["all_gather"] += N * self.sizes[i] * self.views[i].element_size()
+                self.calls["all_gather"] += 1
+            return
+        shard = self.unit_shard[k]
+        if shard is None:                           # stages 1-2: the chunks live in the parameters' buffers
+            shard = torch.cat([self.views[i].detach() for i in ids])
+        full = torch.empty(N, off[-1], dtype=shard.dtype, device=shard.device)   # (N, S_k)
+        all_gather_flat(full.view(-1), shard, group=self.group)
+        self.bytes["all_gather"] += full.numel() * full.element_size()
+        self.calls["all_gather"] += 1
+        for j, i in enumerate(ids):
+            padded = full[:, off[j]:off[j + 1]].reshape(-1)                    # (N, c) -> (N*c,)
+            if self.stage == 3:
+                fill_param(self.params[i], padded)
+            else:
+                self.flat[i].copy_(padded)
+
+    # ------------------------------------------------------------------------------ hooks
+
+    def _make_grad_hook(self, i: int):
+        k = self._unit_of[i]
+
+        def hook(p: torch.Tensor) -> None:             # p.grad is complete for this backward
+            self._ready[k] += 1
+            if self._ready[k] == len(self.units[k]):    # the whole unit: one reduce-scatter
+                self._reduce_scatter_unit(k)
+                if self.stage == 3:
+                    self._free_unit(k)
+        return hook
+
+    def _gather_unit(self, k: int) -> None:
+        if not self._gathered[k]:
+            self._all_gather_unit(k)
+            self._gathered[k] = True
+
+    def _free_unit(self, k: int) -> None:
+        for i in self.units[k]:
+            self.free_fn(self.params[i])
+        self._gathered[k] = False
+
+    def _after_forward(self, k: int, out) -> None:
+        self._free_unit(k)
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda g, k=k: (self._gather_unit(k), g)[1])   # re-gather before its backward
+
+    # ------------------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Reduce-scatter what is not yet (stage 1: every unit), update the own chunks with the inner
+        optimizer, then (stages 1-2) all-gather the parameters. Stage 3 gathers at the next forward."""
+        for k, ids in enumerate(self.units):
+            if self.stage == 1 or self._ready[k]:       # stage 2-3: a unit some of whose gradients never came
+                if any(self.params[i].grad is not None for i in ids):
+                    self._reduce_scatter_unit(k)
+                    if self.stage == 3:
+                        self._free_unit(k)
+        if self.mixed:
+            for chunk, g in zip(self.chunks, self.grad_shards):
+                chunk.grad = None if g is None else g.float()    # (c,) fp32 for the master step
+            self.grad_shards = [None] * len(self.params)
+        self.optimizer.step()
+        for chunk, view in zip(self.chunks, self.views):
+            chunk.grad = None                           # the gradient shard has been used
+            if self.mixed:
+                view.copy_(chunk.detach())              # fp32 master -> the model's dtype
+        if self.stage in (1, 2):
+            for k in range(len(self.units)):
+                self._all_gather_unit(k)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for chunk in self.chunks:
+            chunk.grad = None
+        self.grad_shards = [None] * len(self.params)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter in full (stage 3 gathers them; collective: call on every rank)."""
+        out = {}
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for i, p in enumerate(self.params):
+            c = self.views[i].detach().contiguous()
+            full = torch.empty(c.numel() * self.world, dtype=c.dtype, device=c.device)
+            all_gather_flat(full, c, group=self.group)
+            out[names[id(p)]] = full[:p.numel()].view_as(p).clone()
+        return out
+
+    def state_bytes(self) -> dict:
+        """Bytes of model state this rank holds now, counted from the tensors (storages deduplicated):
+        dict(params=, grads=, optimizer=, total=), like `course_lib.measure.model_state_bytes`; with mixed
+        precision ``optimizer`` includes the fp32 master chunks (the formula's K = 12)."""
+        seen: set = set()
+        p_bytes = _unique_bytes(list(self.params) + list(self.views), seen)
+        g_bytes = _unique_bytes([p.grad for p in self.params] + [c.grad for c in self.chunks] + self.grad_shards, seen)
+        o_bytes = _unique_bytes(self.chunks, seen)      # fp32 master chunks (mixed precision only; else seen)
+        o_bytes += sum(_unique_bytes([v], seen) for s in self.optimizer.state.values() for v in s.values()
+                       if isinstance(v, torch.Tensor))
+        return dict(params=p_bytes, grads=g_bytes, optimizer=o_bytes, total=p_bytes + g_bytes + o_bytes)
+
+    def padded_numel(self) -> int:
+        """N x sum of chunk sizes: the parameter count after padding each tensor to a multiple of N."""
+        return self.world * sum(self.sizes)
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def apply_zero(model: nn.Module, optimizer_cls=torch.optim.AdamW, stage: int = 1, group=None,
+               **optimizer_kwargs) -> ZeroOptimizer:
+    """Shard `model`'s training state over `group` with ZeRO `stage` (1, 2, 3); returns the optimizer
+    wrapper to call ``step()`` / ``zero_grad()`` on."""
+    return ZeroOptimizer(model, optimizer_cls, stage, group, **optimizer_kwargs)

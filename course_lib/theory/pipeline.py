@@ -1,0 +1,74 @@
+"""Pipeline parallelism by formula: bubble fractions and activation memory (lesson 03).
+
+p stages, m micro-batches, t_f / t_b the forward / backward time of one micro-batch on one stage.
+
+- GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 2021): a step lasts (m + p - 1)(t_f + t_b), of
+  which each rank computes m (t_f + t_b), so the idle (bubble) fraction is (p - 1) / (m + p - 1).
+  Megatron-LM states it relative to the ideal time instead: bubble / ideal = (p - 1) / m.
+- Interleaved 1F1B (Narayanan et al. 2021, section 2.2): each rank holds v model chunks, so a stage's
+  forward costs t_f / v and the ramp-up shrinks v times: bubble / ideal = (p - 1) / (v m), i.e. a
+  fraction (p - 1) / (v m + p - 1) of the step, at the price of v times more point-to-point messages.
+- Zero-bubble (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward splits into B (gradient
+  w.r.t. the input, on the critical path) and W (gradient w.r.t. the weights, which nothing downstream
+  waits for). Scheduling W into the idle slots, ZB-H1 leaves (p - 1)(t_F + t_B - t_W) of idle time per
+  rank instead of 1F1B's (p - 1)(t_F + t_B + t_W), with 1F1B's memory; ZB-H2 removes the bubble almost
+  entirely by holding more activations.
+- Activation memory: GPipe holds all m micro-batches at its peak; 1F1B holds at most p - rank on rank
+  `rank` (the first stage is the worst: p), so 1F1B's peak is min(p, m) / m of GPipe's.
+"""
+
+from __future__ import annotations
+
+__all__ = ["bubble_fraction", "bubble_ratio", "interleaved_bubble_fraction", "zero_bubble_idle_time",
+           "one_f_one_b_idle_time", "peak_microbatches_in_flight", "step_time"]
+
+
+def _check(p: int, m: int) -> None:
+    if p < 1 or m < 1:
+        raise ValueError(f"need p >= 1 stages and m >= 1 micro-batches; got p={p}, m={m}")
+
+
+def bubble_fraction(p: int, m: int) -> float:
+    """Fraction of a GPipe / 1F1B step that a rank is idle: (p - 1) / (m + p - 1)."""
+    _check(p, m)
+    return (p - 1) / (m + p - 1)
+
+
+def bubble_ratio(p: int, m: int) -> float:
+    """Bubble time over ideal compute time, as Megatron-LM writes it: (p - 1) / m."""
+    _check(p, m)
+    return (p - 1) / m
+
+
+def interleaved_bubble_fraction(p: int, m: int, v: int) -> float:
+    """Interleaved 1F1B with v model chunks per rank: (p - 1) / (v m + p - 1) of the step is idle."""
+    _check(p, m)
+    if v < 1:
+        raise ValueError(f"v={v} model chunks per rank must be >= 1")
+    return (p - 1) / (v * m + p - 1)
+
+
+def step_time(p: int, m: int, t_f: float, t_b: float) -> float:
+    """Duration of a GPipe / 1F1B step with uniform stages and free communication: (m + p - 1)(t_f + t_b)."""
+    _check(p, m)
+    return (m + p - 1) * (t_f + t_b)
+
+
+def one_f_one_b_idle_time(p: int, t_f: float, t_b: float, t_w: float) -> float:
+    """Idle time per rank of 1F1B when the backward is B (input grad, t_b) + W (weight grad, t_w)."""
+    return (p - 1) * (t_f + t_b + t_w)
+
+
+def zero_bubble_idle_time(p: int, t_f: float, t_b: float, t_w: float) -> float:
+    """Idle time per rank of the ZB-H1 schedule (Qi et al. 2023): (p - 1)(t_F + t_B - t_W), never below 0."""
+    return max(0.0, (p - 1) * (t_f + t_b - t_w))
+
+
+def peak_microbatches_in_flight(schedule: str, p: int, m: int, rank: int = 0) -> int:
+    """Micro-batches whose activations rank `rank` holds at its peak: m (GPipe) or min(p - rank, m) (1F1B)."""
+    _check(p, m)
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(p - rank, m)
+    raise ValueError(f"unknown schedule {schedule!r}: pick 'gpipe' or '1f1b'")

@@ -1,0 +1,118 @@
+"""course_lib.measure: timers, FLOP counting, exact memory accounting (lesson 01)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from course_lib import measure
+
+
+def test_time_fn_median_and_timer():
+    calls = []
+    t = measure.time_fn(lambda: calls.append(1), warmup=2, repeats=3)
+    assert len(calls) == 5 and t >= 0
+    all_t = measure.time_fn(lambda: None, warmup=0, repeats=4, return_all=True)
+    assert len(all_t) == 4
+    with measure.Timer() as timer:
+        sum(range(100))
+    assert timer.seconds > 0
+    with pytest.raises(ValueError):
+        measure.time_fn(lambda: None, repeats=0)
+
+
+def test_throughput_and_mfu():
+    assert measure.tokens_per_s(1000, 0.5) == 2000
+    assert measure.mfu(50e12, 100e12) == pytest.approx(0.5)
+
+
+def test_gpu_table_and_lookup():
+    assert measure.gpu_spec("NVIDIA H100 80GB HBM3").bf16_tflops == pytest.approx(989.4)
+    assert measure.gpu_spec("NVIDIA A100-SXM4-80GB").bf16_tflops == 312
+    assert measure.gpu_spec("NVIDIA GeForce RTX 4090").name.startswith("GeForce RTX 4090")
+    assert measure.gpu_spec("NVIDIA H200").mem_gb == 141
+    assert measure.gpu_spec("Some Other Accelerator") is None
+    for key in ("A100", "H100", "H200", "V100", "L4", "RTX 4090"):
+        spec = measure.GPU_SPECS[key]
+        assert spec.bf16_tflops > 0 and spec.mem_bw_gbs > 0
+        assert "datasheet" in spec.source or "whitepaper" in spec.source
+
+
+def test_hardware_label_names_backend():
+    label = measure.hardware_label("gloo", device="cpu")
+    assert label.startswith("CPU: ") and "cores" in label and "torch" in label and label.endswith("gloo")
+
+
+def test_measured_peak_is_positive():
+    peak = measure.measure_peak_matmul_flops("cpu", n=256)
+    assert peak > 1e8  # any CPU does > 0.1 GFLOP/s on a 256^3 matmul
+
+
+def test_count_flops_of_linear_and_cpu_attention():
+    lin = nn.Linear(32, 16, bias=True)
+    x = torch.randn(8, 32, requires_grad=True)
+    assert measure.count_flops(lambda: lin(x)) == 2 * 8 * 32 * 16
+    assert measure.count_flops(lambda: lin(x).sum().backward()) == 3 * 2 * 8 * 32 * 16
+    # The stock counter has no formula for the CPU attention kernel; ours counts QK^T and PV.
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    fwd = 2 * (2 * 2 * 4 * 16 * 16 * 8)
+    f = torch.nn.functional.scaled_dot_product_attention
+    assert measure.count_flops(lambda: f(q, q, q, is_causal=True)) == fwd
+    assert measure.count_flops(lambda: f(q, q, q, is_causal=True).sum().backward()) == 3 * fwd
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5))
+
+
+def test_model_state_bytes_adam_exact():
+    model = _mlp()
+    P = sum(p.numel() for p in model.parameters())
+    n_tensors = len(list(model.parameters()))
+    opt = torch.optim.Adam(model.parameters())
+    before = measure.model_state_bytes(model, opt)
+    assert before == dict(params=4 * P, grads=0, optimizer=0, optimizer_scalars=0, total=4 * P)
+    model(torch.randn(3, 10)).sum().backward()
+    opt.step()
+    s = measure.model_state_bytes(model, opt)
+    assert s["params"] == 4 * P and s["grads"] == 4 * P
+    assert s["optimizer"] == 8 * P + 4 * n_tensors      # exp_avg, exp_avg_sq, step (fp32 scalar)
+    assert s["optimizer_scalars"] == 4 * n_tensors
+    assert s["total"] == 16 * P + 4 * n_tensors
+
+
+def test_model_state_bytes_counts_tied_weights_once():
+    emb = nn.Embedding(7, 3)
+    head = nn.Linear(3, 7, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict(dict(emb=emb, head=head))
+    assert measure.model_state_bytes(model)["params"] == 7 * 3 * 4
+
+
+def test_saved_activations_mlp_hand_computed():
+    model = _mlp()
+    B = 6
+    x = torch.randn(B, 10)  # a data batch: does not require grad
+    with measure.SavedActivations(model) as acts:
+        y = model(x)
+    # Linear1 saves x (weight grad needs it): B*10; ReLU saves its output: B*20, which is also
+    # Linear2's input (one storage); Linear2 saves its weight for the input gradient (a parameter).
+    assert acts.bytes == 4 * (B * 10 + B * 20)
+    assert acts.params_saved_bytes == 4 * 5 * 20
+    y.sum().backward()  # the saved tensors are really used
+
+
+def test_saved_activations_without_model_still_skips_parameters():
+    lin = nn.Linear(4, 3)
+    with measure.SavedActivations() as acts:
+        torch.relu(lin(torch.randn(2, 4, requires_grad=True)))
+    assert acts.bytes == 4 * (2 * 4 + 2 * 3)
+    assert acts.params_saved_bytes == 4 * 3 * 4
+
+
+def test_rss_and_formatting():
+    assert measure.rss_bytes() > 10_000_000
+    assert measure.fmt_bytes(3.2e9) == "3.20 GB"
+    assert measure.fmt_bytes(64 * 2 ** 20, binary=True) == "64 MiB"
+    assert measure.fmt_flops(2.5e12) == "2.50 TFLOP/s"
+    assert measure.fmt_flops(3.14e23, per_s=False) == "314000000.00 PFLOP"
