@@ -79,6 +79,13 @@ def main() -> int:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend, timeout=timedelta(seconds=settings["pg_timeout_s"]))
+        # Every rank waits until the whole group is connected: under load, gloo's connectFullMesh can return on
+        # a fast rank before a slow one has accepted the connection, and a fast rank that ran a function
+        # without collectives and exited would then fail the slow one ("Connection closed by peer").
+        if backend == "nccl":
+            dist.barrier(device_ids=[int(os.environ["LOCAL_RANK"])])
+        else:
+            dist.barrier()
         timings["rendezvous_done"] = time.time()
 
         with open(os.path.join(run_dir, "payload.pkl"), "rb") as f:

@@ -10,13 +10,7 @@ from course_lib.data import synthetic_corpus, get_batch
 from course_lib.model import GPT, build_model, hf_gpt2_config, to_hf_gpt2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; on a busy 2-core machine, more threads only contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,115 @@
+"""Activation checkpointing applied to a plain GPT (lesson 07).
+
+    apply_activation_checkpointing(model, every=2)          # segments of 2 blocks, full recomputation
+    apply_activation_checkpointing(model, selective=True)   # keep matmul / attention outputs, recompute the rest
+    remove_activation_checkpointing(model)                  # back to the plain model
+
+Full checkpointing (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"): the forward of a
+segment of ``every`` blocks runs inside ``torch.utils.checkpoint.checkpoint``, which keeps only the segment's
+input; when backward reaches the segment it runs the segment's forward again (with gradients on) and then
+its backward. Memory held between forward and backward drops from L blocks' activations to ceil(L/k)
+(B, T, C) inputs; the price is one more forward of every block (see ``course_lib.theory.savers``).
+
+Selective checkpointing (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models"; torch's ``create_selective_checkpoint_contexts``): a policy decides per operator whether its output
+is saved or recomputed. :data:`SAVE_OPS` saves the outputs of the matmuls and of attention (expensive to
+recompute) and recomputes LayerNorm, GELU and the residual adds (cheap): less memory saved, almost no FLOPs
+paid.
+
+The model is not restructured: parameter names and ``state_dict`` stay those of the plain model. The first
+block of each segment gets an instance-level ``forward`` that runs the whole segment under ``checkpoint``;
+the other blocks of the segment pass their input through (``GPT.forward`` still calls every block in order).
+Non-reentrant checkpointing (``use_reentrant=False``) is used, as torch recommends: it supports keyword
+arguments, inputs that do not require grad, and selective policies.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+__all__ = ["apply_activation_checkpointing", "remove_activation_checkpointing", "checkpointed_segments",
+           "SAVE_OPS", "save_matmuls_policy", "CheckpointedBlock"]
+
+_aten = torch.ops.aten
+# Operators whose outputs selective checkpointing keeps (the rest is recomputed in backward).
+SAVE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default}
+for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"):
+    if hasattr(_aten, _name):
+        SAVE_OPS.add(getattr(_aten, _name).default)
+
+
+def save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective-checkpointing policy: save what :data:`SAVE_OPS` computes, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class CheckpointedBlock(nn.Module):
+    """One block run under full activation checkpointing: ``model.blocks[i] = CheckpointedBlock(block)``.
+
+    The reference answer of exercise 07-checkpoint-block (parameter names gain a ``block.`` prefix;
+    :func:`apply_activation_checkpointing` keeps them unchanged)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)     # (B, T, C) -> (B, T, C), only x kept
+
+
+def _run_segment(blocks, x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = type(block).forward(block, x)     # the class's forward: the block's own computation
+    return x
+
+
+def _segment_forward(blocks, selective: bool, x: torch.Tensor) -> torch.Tensor:
+    if not torch.is_grad_enabled():           # inference: nothing to save, nothing to recompute
+        return _run_segment(blocks, x)
+    kwargs = {}
+    if selective:
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, save_matmuls_policy)
+    return checkpoint(partial(_run_segment, blocks), x, use_reentrant=False, **kwargs)
+
+
+def _pass_through(x: torch.Tensor) -> torch.Tensor:
+    return x                                  # this block already ran inside its segment's checkpoint
+
+
+def checkpointed_segments(n_layer: int, every: int) -> list[range]:
+    """Block indices of each segment: ``checkpointed_segments(5, 2) == [range(0, 2), range(2, 4), range(4, 5)]``."""
+    if every < 1:
+        raise ValueError(f"every={every}: a segment holds at least one block")
+    return [range(i, min(i + every, n_layer)) for i in range(0, n_layer, every)]
+
+
+def apply_activation_checkpointing(model: nn.Module, every: int = 1, selective: bool = False) -> nn.Module:
+    """Checkpoint ``model.blocks`` in segments of ``every`` blocks (in place; returns the model).
+
+    selective=True keeps the outputs of :data:`SAVE_OPS` and recomputes the rest, block by block
+    (``every`` must then be 1: a selective segment saves per operator anyway).
+    """
+    if selective and every != 1:
+        raise ValueError(f"selective checkpointing works block by block: use every=1 (got every={every})")
+    remove_activation_checkpointing(model)
+    blocks = list(model.blocks)
+    for seg in checkpointed_segments(len(blocks), every):
+        members = [blocks[i] for i in seg]
+        members[0].forward = partial(_segment_forward, members, selective)
+        for block in members[1:]:
+            block.forward = _pass_through
+    model._activation_checkpointing = dict(every=every, selective=selective)
+    return model
+
+
+def remove_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply_activation_checkpointing`: every block runs its own forward again."""
+    for block in model.blocks:
+        block.__dict__.pop("forward", None)
+    model.__dict__.pop("_activation_checkpointing", None)
+    return model
