@@ -9,6 +9,9 @@ millisecond of gloo messaging). Every op's start (after its input arrived) and e
 time.perf_counter; the bubble of a step is 1 - (sum of op durations over ranks) / (p x step span). One warm-up
 step, then the median of --repeats steps. Target (issue 7): within 10% (relative) of the formula for p = 2.
 With more ranks than cores, ranks time-share cores and the measured bubble is distorted (printed, not hidden).
+Even with a core per rank, on a 2-vCPU machine an op is slower while the other rank computes (shared memory
+bandwidth and cache; gloo's messaging threads take CPU from the ranks): the formula's equal-op-time assumption
+fails and m = 8 comes out 14-27% high there (see lesson 03, section 5). Larger stages help: --layers 8 --d-model 384.
 """
 
 from __future__ import annotations
