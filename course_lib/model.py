@@ -45,12 +45,16 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, T, C) -> (B, H, T, D)
         k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, H, T, D)
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, H, T, D)
-        # softmax(q k^T / sqrt(D) + causal mask) v
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )                                                                 # (B, H, T, D)
+        y = self.attend(q, k, v)                                          # (B, H, T, D)
         y = y.transpose(1, 2).contiguous().view(B, T, C)                  # (B, H, T, D) -> (B, T, C)
         return self.resid_drop(self.proj(y))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(D) + causal mask) v, fused (SDPA). Lesson 07 swaps in a naive version to
+        measure what the fused kernel saves."""
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
 
 
 class MLP(nn.Module):

@@ -103,7 +103,6 @@ def apply_activation_checkpointing(model: nn.Module, every: int = 1, selective: 
         members[0].forward = partial(_segment_forward, members, selective)
         for block in members[1:]:
             block.forward = _pass_through
-    model._activation_checkpointing = dict(every=every, selective=selective)
     return model
 
 
@@ -111,5 +110,4 @@ def remove_activation_checkpointing(model: nn.Module) -> nn.Module:
     """Undo :func:`apply_activation_checkpointing`: every block runs its own forward again."""
     for block in model.blocks:
         block.__dict__.pop("forward", None)
-    model.__dict__.pop("_activation_checkpointing", None)
     return model

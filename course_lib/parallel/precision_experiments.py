@@ -20,7 +20,7 @@ import torch.distributed as dist
 from course_lib import dist as cdist
 from course_lib.measure import SavedActivations, model_state_bytes, synchronize, time_fn
 from course_lib.model import build_model
-from course_lib.parallel.ddp_experiments import make_batches, small_config
+from course_lib.parallel.ddp_experiments import make_batches, shard, small_config
 from course_lib.parallel.precision import DynamicLossScaler, MasterWeightOptimizer, master_step
 
 __all__ = ["overflow_steps", "scaler_trace", "scaler_check", "master_step_check", "rank_scaler_check",
@@ -219,8 +219,7 @@ def rank_deepspeed(cfg, batches) -> dict:
                                           config=conf)
         losses, n, r = [], dist.get_world_size(), dist.get_rank()
         for x, y in batches:
-            b = x.shape[0] // n
-            loss = engine.module.loss(x[r * b:(r + 1) * b].to(engine.device), y[r * b:(r + 1) * b].to(engine.device))
+            loss = engine.module.loss(shard(x, r, n).to(engine.device), shard(y, r, n).to(engine.device))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())

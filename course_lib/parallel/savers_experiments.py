@@ -126,25 +126,18 @@ def _sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def _attn_forward(attn, fn, x: torch.Tensor) -> torch.Tensor:
-    B, T, C = x.shape
-    q, k, v = (t.view(B, T, attn.n_head, attn.head_dim).transpose(1, 2) for t in attn.qkv(x).split(C, dim=-1))
-    y = fn(q, k, v).transpose(1, 2).contiguous().view(B, T, C)                 # (B, H, T, D) -> (B, T, C)
-    return attn.proj(y)
-
-
 @contextmanager
 def use_attention(model, kind: str = "naive"):
     """Inside the block, every ``block.attn`` of the GPT computes attention the ``kind`` way ('naive' or
-    'sdpa'); the model's own code (SDPA) comes back afterwards. Dropout must be 0."""
+    'sdpa'); the model's own kernel (SDPA) comes back afterwards. Dropout must be 0."""
     fn = {"naive": naive_attention, "sdpa": _sdpa}[kind]
     for block in model.blocks:
-        block.attn.forward = lambda x, a=block.attn: _attn_forward(a, fn, x)
+        block.attn.attend = fn
     try:
         yield model
     finally:
         for block in model.blocks:
-            block.attn.__dict__.pop("forward", None)
+            block.attn.__dict__.pop("attend", None)
 
 
 # ------------------------------------------------------------------------------ sweeps
