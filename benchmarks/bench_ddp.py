@@ -22,7 +22,7 @@ TARGET = 0.95
 def _bench(cfg: ModelConfig, batch_per_rank: int, bucket_mb: float, steps: int) -> dict:
     from course_lib import dist as cdist
     from course_lib.measure import hardware_label
-    from course_lib.parallel.ddp_experiments import rank_throughput
+    from course_lib.lessons.l02_data_parallel.experiments import rank_throughput
 
     stats = rank_throughput(cfg, batch_per_rank, variants=(("own", bucket_mb), ("torch", bucket_mb)),
                             steps=steps, warmup=3)
@@ -40,11 +40,8 @@ def main() -> None:
     args = ap.parse_args()
     cfg = ModelConfig(vocab_size=256, seq_len=64, n_layer=args.layers, n_head=4, d_model=args.d_model,
                       name="bench-ddp")
-    import torch
-
-    backend = "auto" if torch.cuda.device_count() >= args.nprocs else "gloo"   # NCCL needs a GPU per rank
     res = run(_bench, args.nprocs, args=(cfg, args.batch, args.bucket_mb, args.steps), timeout_s=600,
-              threads_per_rank=1, stream=False, backend=backend)
+              threads_per_rank=1, stream=False)                 # NCCL with a GPU per rank where there are enough
     out = res.value
     stats = out["stats"]
     own, tdp = stats[f"own@{args.bucket_mb:g}MB"], stats[f"torch@{args.bucket_mb:g}MB"]

@@ -19,6 +19,7 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from course_lib.grading import grade  # noqa: E402
+from course_lib.procs import usable_cores  # noqa: E402
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
     res = grade.grade_submission(path, ROOT / "solutions", cell_timeout=600, total_timeout=1800)
     graded = time.perf_counter() - t0
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-    print(f"hardware: {len(os.sched_getaffinity(0))} cores, {cpu}, load average {os.getloadavg()[0]:.1f}")
+    print(f"hardware: {usable_cores()} cores, {cpu}, load average {os.getloadavg()[0]:.1f}")
     print(f"notebook: {path.name}, score {res['points']:g}/{res['max']:g}")
     print(f"plain nbclient run : {plain:6.1f} s")
     print(f"course grade       : {graded:6.1f} s (runner {res['run_seconds']} s, kernel start "

@@ -20,12 +20,13 @@ import argparse
 import os
 
 from course_lib.launch import run
+from course_lib.procs import usable_cores
 
 
 def _bench(cfg, micro_batch, ms, repeats):
     from course_lib import dist as cdist
     from course_lib.measure import hardware_label
-    from course_lib.parallel.pipeline_experiments import rank_bubble_sweep, rank_memory
+    from course_lib.lessons.l03_pipeline_parallel.experiments import rank_bubble_sweep, rank_memory
 
     sweep = rank_bubble_sweep(cfg, micro_batch, ms, repeats=repeats)
     mem = rank_memory(cfg, micro_batch, ms)
@@ -34,7 +35,7 @@ def _bench(cfg, micro_batch, ms, repeats):
 
 def main() -> None:
     from course_lib.measure import fmt_bytes
-    from course_lib.parallel.pipeline_experiments import bubble_config
+    from course_lib.lessons.l03_pipeline_parallel.experiments import bubble_config
     from course_lib.theory.pipeline import bubble_fraction
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,13 +49,9 @@ def main() -> None:
     p = args.nprocs
     cfg = bubble_config(n_layer=max(args.layers, p), d_model=args.d_model)
     load_before = os.getloadavg()[0]
-    import torch
-
-    backend = "auto" if torch.cuda.device_count() >= p else "gloo"   # NCCL needs one GPU per rank
-    res = run(_bench, p, args=(cfg, args.micro_batch, args.ms, args.repeats), timeout_s=600, stream=False,
-              backend=backend)
+    res = run(_bench, p, args=(cfg, args.micro_batch, args.ms, args.repeats), timeout_s=600, stream=False)
     out = res.value
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     print(f"hardware: {out['hardware']}; {p} ranks, {res.threads_per_rank} thread(s)/rank")
     load = max(load_before, os.getloadavg()[0])
     print(f"load average before/after: {load_before:.1f} / {os.getloadavg()[0]:.1f} on {cores} cores"

@@ -16,9 +16,9 @@ import statistics
 import torch
 
 from course_lib.config import get_preset
+from course_lib.data import random_batches
+from course_lib.lessons.l06_mixed_precision.experiments import speed_and_memory
 from course_lib.measure import fmt_bytes, hardware_label
-from course_lib.parallel.ddp_experiments import make_batches
-from course_lib.parallel.precision_experiments import speed_and_memory
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = get_preset(args.preset)
-    (x, y), = make_batches(cfg, args.batch, 1)
+    (x, y), = random_batches(cfg, args.batch, 1)
     runs = [speed_and_memory(cfg, x, y, repeats=args.repeats) for _ in range(args.rounds)]   # a noisy machine
     rows = runs[0]                                                                            # slows all alike
     for i, r in enumerate(rows):

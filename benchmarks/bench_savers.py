@@ -18,8 +18,8 @@ import torch
 
 from course_lib.config import ModelConfig
 from course_lib.measure import hardware_label
-from course_lib.parallel.savers_experiments import checkpoint_sweep
-from course_lib.parallel.savers_report import checkpoint_table
+from course_lib.lessons.l07_memory_savers.experiments import checkpoint_sweep
+from course_lib.lessons.l07_memory_savers.report import checkpoint_table
 
 
 def main() -> None:

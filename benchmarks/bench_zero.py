@@ -23,13 +23,14 @@ TARGET = 0.8
 def _bench(cfg: ModelConfig, global_batch: int, steps: int, rounds: int) -> dict:
     from course_lib import dist as cdist
     from course_lib.measure import hardware_label
-    from course_lib.parallel import zero_experiments as Z
+    from course_lib.data import random_batches
+    from course_lib.lessons.common import train_variant
 
-    batches = Z.make_batches(cfg, global_batch, steps)
+    batches = random_batches(cfg, global_batch, steps)
     times = {"zero3": [], "fsdp2": []}
     for i in range(rounds):
-        for mode in (("zero3", "fsdp2") if i % 2 == 0 else ("fsdp2", "zero3")):
-            times[mode].append(Z.rank_train(cfg, batches, mode, full_params=False)["step_s"])
+        for variant in (("zero3", "fsdp2") if i % 2 == 0 else ("fsdp2", "zero3")):
+            times[variant].append(train_variant(cfg, batches, variant, full_params=False)["step_s"])
     return {"times": times, "hardware": hardware_label(cdist.backend(), cdist.device())}
 
 
@@ -54,7 +55,8 @@ def main() -> None:
     print(f"own ZeRO-3 speed relative to FSDP2: {ratio:.2f}x (target >= {TARGET}): "
           f"{'met' if ratio >= TARGET else 'NOT met'}")
     if args.table:
-        from course_lib.parallel.zero_report import compare, format_table
+        from course_lib.lessons.l05_zero_fsdp_deepspeed.experiments import compare
+        from course_lib.lessons.l05_zero_fsdp_deepspeed.report import format_table
         rows, hw = compare(cfg, args.nprocs, steps=6, global_batch=args.batch)
         print(format_table(rows, hw))
 

@@ -11,14 +11,14 @@ import runpy
 import sys
 import time
 
-from course_lib._worker import T_START, _die_with_parent, _redirect_output, _write_atomic, report_failure
+from course_lib._worker import T_START, die_with_parent, redirect_output, report_failure, write_atomic
 
 
 def main() -> int:
-    _die_with_parent()
+    die_with_parent()
     run_dir, script, *args = sys.argv[1:]
     rank = int(os.environ["RANK"])
-    _redirect_output(os.path.join(run_dir, f"rank{rank}.log"))
+    redirect_output(os.path.join(run_dir, f"rank{rank}.log"))
     import pickle
 
     timings = {"process_start": T_START}
@@ -36,7 +36,7 @@ def main() -> int:
                 raise
         timings["work_done"] = time.time()
         record = {"value": None, "timings": timings, "device": None, "threads": threads}
-        _write_atomic(os.path.join(run_dir, f"result{rank}.pkl"), pickle.dumps(record))
+        write_atomic(os.path.join(run_dir, f"result{rank}.pkl"), pickle.dumps(record))
         return 0
     except BaseException as exc:  # noqa: BLE001
         report_failure(run_dir, rank, exc)

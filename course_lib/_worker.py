@@ -15,7 +15,7 @@ import time
 T_START = time.time()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when torchrun dies, so no worker outlives its launcher."""
     if sys.platform.startswith("linux"):
         try:
@@ -27,7 +27,7 @@ def _die_with_parent() -> None:
             pass
 
 
-def _redirect_output(log_path: str) -> None:
+def redirect_output(log_path: str) -> None:
     """Point file descriptors 1 and 2 at the rank's log (C-level output included), line-buffered."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
@@ -37,7 +37,7 @@ def _redirect_output(log_path: str) -> None:
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
 
 
-def _write_atomic(path: str, data: bytes) -> None:
+def write_atomic(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(data)
@@ -54,14 +54,14 @@ def report_failure(run_dir: str, rank: int, exc: BaseException) -> None:
     sys.stderr.flush()
     err = {"rank": rank, "type": type(exc).__name__, "message": str(exc)[:2000],
            "traceback": tb[-20000:], "time": time.time()}
-    _write_atomic(os.path.join(run_dir, f"error{rank}.json"), json.dumps(err).encode())
+    write_atomic(os.path.join(run_dir, f"error{rank}.json"), json.dumps(err).encode())
 
 
 def main() -> int:
-    _die_with_parent()
+    die_with_parent()
     run_dir = sys.argv[1]
     rank = int(os.environ["RANK"])
-    _redirect_output(os.path.join(run_dir, f"rank{rank}.log"))
+    redirect_output(os.path.join(run_dir, f"rank{rank}.log"))
     timings = {"process_start": T_START}
 
     import json
@@ -99,7 +99,7 @@ def main() -> int:
             lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
         record = {"value": value, "timings": timings, "device": cdist.device_name(),
                   "threads": torch.get_num_threads()}
-        _write_atomic(os.path.join(run_dir, f"result{rank}.pkl"), cloudpickle.dumps(record))
+        write_atomic(os.path.join(run_dir, f"result{rank}.pkl"), cloudpickle.dumps(record))
         sys.stdout.flush()
         try:
             dist.destroy_process_group()

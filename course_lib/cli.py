@@ -67,9 +67,9 @@ def doctor(nprocs: int = 2, timeout_s: float = 120) -> int:
     except ImportError:
         print("\nFAILED: torch cannot be imported; run `make lab` to create the environment")
         return 1
-    from course_lib.launch import _cpu_count
+    from course_lib.procs import usable_cores
 
-    line("cpu cores (usable)", str(_cpu_count()))
+    line("cpu cores (usable)", str(usable_cores()))
     cuda = torch.cuda.is_available()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
     line("cuda", f"{torch.version.cuda} with {len(gpus)} GPU(s): {', '.join(gpus)}" if cuda else
@@ -82,8 +82,7 @@ def doctor(nprocs: int = 2, timeout_s: float = 120) -> int:
     from course_lib.launch import DistributedRunError, LaunchError, run
 
     try:
-        res = run(_doctor_job, n, timeout_s=timeout_s, stream=False,
-                  backend="auto" if cuda and len(gpus) >= n else "gloo")
+        res = run(_doctor_job, n, timeout_s=timeout_s, stream=False)   # NCCL with a GPU per rank, else gloo
     except (DistributedRunError, LaunchError) as exc:
         print(f"\nFAILED: the {n}-rank job did not work:\n{exc}")
         print("Fix: check that localhost networking works (the ranks meet on 127.0.0.1), and see the logs above.")

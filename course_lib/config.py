@@ -39,7 +39,7 @@ def _divisors(n: int, limit: int = 6) -> str:
     return "{" + shown + (", ...}" if len(divs) > limit else "}")
 
 
-def _check_pos_int(obj, name: str, allow_none: bool = False) -> None:
+def _validate_pos_int(obj, name: str, allow_none: bool = False) -> None:
     value = getattr(obj, name)
     if value is None and allow_none:
         return
@@ -47,7 +47,7 @@ def _check_pos_int(obj, name: str, allow_none: bool = False) -> None:
         raise ConfigError(f"{name}={value!r} must be a positive int (e.g. {name}=64)")
 
 
-def _check_choice(obj, name: str, choices: tuple) -> None:
+def _validate_choice(obj, name: str, choices: tuple) -> None:
     value = getattr(obj, name)
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is unknown: pick one of {', '.join(map(repr, choices))}")
@@ -80,9 +80,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
-            _check_pos_int(self, f)
-        _check_pos_int(self, "d_ff", allow_none=True)
-        _check_pos_int(self, "n_kv_head", allow_none=True)
+            _validate_pos_int(self, f)
+        _validate_pos_int(self, "d_ff", allow_none=True)
+        _validate_pos_int(self, "n_kv_head", allow_none=True)
         # Resolve the defaults: d_ff=None -> 4*d_model, n_kv_head=None -> n_head.
         # (remember which were defaulted, outside the dataclass fields, so that replace() re-derives them)
         auto = tuple(f for f in ("d_ff", "n_kv_head") if getattr(self, f) is None)
@@ -108,9 +108,9 @@ class ModelConfig:
         for f in ("bias", "tie_embeddings"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"{f}={getattr(self, f)!r} must be True or False")
-        _check_choice(self, "norm", _NORMS)
-        _check_choice(self, "mlp", _MLPS)
-        _check_choice(self, "pos", _POS)
+        _validate_choice(self, "norm", _NORMS)
+        _validate_choice(self, "mlp", _MLPS)
+        _validate_choice(self, "pos", _POS)
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -189,9 +189,9 @@ class TrainConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        _check_pos_int(self, "batch_size")
-        _check_pos_int(self, "micro_batch_size", allow_none=True)
-        _check_pos_int(self, "max_steps")
+        _validate_pos_int(self, "batch_size")
+        _validate_pos_int(self, "micro_batch_size", allow_none=True)
+        _validate_pos_int(self, "max_steps")
         if self.batch_size % self.micro:
             raise ConfigError(
                 f"micro_batch_size={self.micro} does not divide batch_size={self.batch_size}: "
@@ -219,7 +219,7 @@ class TrainConfig:
             raise ConfigError(f"grad_clip={self.grad_clip!r} must be >= 0 or None (e.g. grad_clip=1.0)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"seed={self.seed!r} must be an int >= 0")
-        _check_choice(self, "dtype", _DTYPES)
+        _validate_choice(self, "dtype", _DTYPES)
 
     @property
     def micro(self) -> int:

@@ -5,13 +5,16 @@
 * `synthetic_corpus()`: tokens from a Markov chain whose best achievable loss (its entropy rate) is
   known exactly, so a training run can be judged against a number rather than by eye.
 * `get_batch()`: a deterministic, rank-sharded batch sampler for data parallelism: rank r of
-  world_size W gets rows [r*B/W, (r+1)*B/W) of the global batch of step `step`.
+  world_size W gets rows [r*B/W, (r+1)*B/W) of the global batch of step `step` of a corpus.
+* `random_batches()`: global batches of uniformly random token ids, the same on every rank for a seed: the
+  data of every experiment that compares a parallel run with one process (the content does not matter
+  there, only that every run sees the same numbers). `course_lib.lessons.common.shard_batch` gives a rank
+  its rows.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
 import os
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -19,7 +22,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 __all__ = ["ByteTokenizer", "text_corpus", "SyntheticCorpus", "synthetic_corpus",
-           "markov_transition_matrix", "get_batch"]
+           "markov_transition_matrix", "get_batch", "random_batches"]
 
 
 class ByteTokenizer:
@@ -223,3 +226,17 @@ def get_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, step: int, ra
     if device is not None:
         x, y = x.to(device), y.to(device)
     return x, y
+
+
+def random_batches(cfg, global_batch: int, steps: int = 1, seed: int = 0,
+                   seq_len: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` global batches (x, y) of uniformly random token ids in ``0..cfg.vocab_size-1``, each (B, T)
+    with B = global_batch and T = seq_len or cfg.seq_len; y is x shifted by one (next-token targets of one
+    random sequence of T+1 tokens). The same on every rank for a seed (lesson 02)."""
+    g = torch.Generator().manual_seed(seed)
+    T = seq_len or cfg.seq_len
+    out = []
+    for _ in range(steps):
+        seq = torch.randint(cfg.vocab_size, (global_batch, T + 1), generator=g)   # (B, T+1)
+        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))          # (B, T), (B, T)
+    return out

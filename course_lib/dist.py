@@ -55,6 +55,23 @@ def device_name() -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
 
+_ANNOUNCED: set = set()
+
+
+def pick_backend(nprocs: int, announce: bool = True) -> str:
+    """The course's one backend policy: 'nccl' (one GPU per rank) when this machine has at least `nprocs`
+    GPUs, else 'gloo' (ranks on the CPU). So a lesson runs unchanged on a laptop, on a one-GPU machine and on
+    a GPU node. On a GPU machine with too few GPUs the fallback is said once per process (``announce``)."""
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n_gpu >= nprocs:
+        return "nccl"
+    if n_gpu and announce and nprocs not in _ANNOUNCED:
+        _ANNOUNCED.add(nprocs)
+        print(f"note: {nprocs} ranks need {nprocs} GPUs (one per rank) and this machine has {n_gpu}: "
+              f"these ranks run on the CPU with gloo", flush=True)
+    return "gloo"
+
+
 def print0(*args, **kwargs) -> None:
     """print on rank 0 only (flushes, so that output streams live into the notebook)."""
     if rank() == 0:

@@ -110,45 +110,40 @@ class RunResult:
 
 # ----------------------------------------------------------------------------------------- checks
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def _check_nprocs(nprocs: Any) -> int:
+def _validate_nprocs(nprocs: Any) -> int:
     if isinstance(nprocs, bool) or not isinstance(nprocs, int):
         raise LaunchError(f"nprocs={nprocs!r} must be an int: the number of ranks, e.g. nprocs=2")
     if nprocs < 1:
         raise LaunchError(f"nprocs={nprocs} must be at least 1: the number of ranks, e.g. nprocs=2")
     if nprocs > MAX_PROCS:
         raise LaunchError(f"nprocs={nprocs} is more than this launcher allows on one node ({MAX_PROCS}); "
-                          f"use a smaller number (this machine has {_cpu_count()} cores)")
+                          f"use a smaller number (this machine has {procs.usable_cores()} cores)")
     return nprocs
 
 
 def resolve_backend(backend: str, nprocs: int) -> str:
-    """'auto' -> 'nccl' when CUDA is present, else 'gloo'; checks that the machine has what is asked."""
+    """'auto' -> `course_lib.dist.pick_backend` (NCCL with one GPU per rank when there are enough GPUs, else
+    gloo on the CPU); 'gloo' or 'nccl' are checked against what the machine has."""
     import torch
 
-    cuda = torch.cuda.is_available()
     if backend == "auto":
-        backend = "nccl" if cuda else "gloo"
+        from course_lib.dist import pick_backend
+
+        return pick_backend(nprocs)
     if backend not in ("gloo", "nccl"):
         raise LaunchError(f"backend={backend!r} is not supported: use 'auto', 'gloo' or 'nccl'")
     if backend == "nccl":
-        if not cuda:
+        if not torch.cuda.is_available():
             raise LaunchError("backend='nccl' needs CUDA GPUs and this machine has none: "
                               "use backend='auto' or 'gloo' to run on the CPU")
         n_gpu = torch.cuda.device_count()
         if nprocs > n_gpu:
             raise LaunchError(f"nprocs={nprocs} ranks need {nprocs} GPUs (one per rank) but this machine has "
-                              f"{n_gpu}: use nprocs<={n_gpu}, or backend='gloo' to run on the CPU")
+                              f"{n_gpu}: use nprocs<={n_gpu}, or backend='auto' or 'gloo' to run on the CPU")
     return backend
 
 
-def _check_port(port: int | None) -> None:
+def _validate_port(port: int | None) -> None:
     if port is None:
         return
     if not isinstance(port, int) or not 0 < port < 65536:
@@ -399,20 +394,21 @@ def run(fn: Callable, nprocs: int, *, args: Sequence = (), kwargs: dict | None =
     Args:
         fn: the function each rank runs; its return value comes back (tensors moved to the CPU).
         nprocs: number of ranks (processes) on this machine.
-        backend: 'auto' (NCCL if CUDA, else gloo), 'gloo' or 'nccl'.
+        backend: 'auto' (NCCL with one GPU per rank where there are enough GPUs, else gloo: `dist.pick_backend`),
+            'gloo' or 'nccl'.
         timeout_s: wall-clock limit; past it every process is killed and `RunTimeout` is raised.
         env: extra environment variables for the ranks.
         stream: show rank 0's output live.
         port: rendezvous port; None lets the OS choose a free one (recommended).
         threads_per_rank: CPU threads per rank; default shares the machine's cores among the ranks.
     """
-    nprocs = _check_nprocs(nprocs)
+    nprocs = _validate_nprocs(nprocs)
     backend = resolve_backend(backend, nprocs)
-    _check_port(port)
+    _validate_port(port)
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise LaunchError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
     payload = _pickle_payload(fn, args, kwargs or {})
-    threads = threads_per_rank or max(1, _cpu_count() // nprocs)
+    threads = threads_per_rank or max(1, procs.usable_cores() // nprocs)
     run_dir = _new_run_dir()
     (run_dir / "payload.pkl").write_bytes(payload)
     (run_dir / "settings.json").write_text(json.dumps({
@@ -431,16 +427,16 @@ def run_script(path: str | os.PathLike, nprocs: int, args: Sequence[str] = (), *
     ``print_command=True`` prints the torchrun command to run it by hand, and the form for ``nnodes`` nodes.
     ``returns`` are None for scripts: read results from files the script writes.
     """
-    nprocs = _check_nprocs(nprocs)
+    nprocs = _validate_nprocs(nprocs)
     script = Path(path)
     if not script.is_file():
         raise LaunchError(f"script {str(script)!r} does not exist: pass the path of a .py file")
-    _check_port(port)
+    _validate_port(port)
     if print_command:
         print("one node:  ", shlex.join(torchrun_command([str(script), *args], nprocs)))
         print(f"{max(nnodes, 2)} nodes (run on every node):",
               shlex.join(torchrun_command([str(script), *args], nprocs, nnodes=max(nnodes, 2))))
-    threads = max(1, _cpu_count() // nprocs)
+    threads = max(1, procs.usable_cores() // nprocs)
     run_dir = _new_run_dir()
     wrapper = ["-m", "course_lib._script", str(run_dir), str(script.resolve()), *map(str, args)]
     return _launch(wrapper, nprocs, "script", timeout_s, env, stream, run_dir, port, threads)

@@ -7,10 +7,14 @@ Everything a lesson prints as "measured" comes from here, always together with
   ``torch.cuda.synchronize`` before reading the clock, because kernels run asynchronously).
 - Compute: :func:`count_flops` (``torch.utils.flop_counter.FlopCounterMode`` with the CPU attention
   kernel registered), :func:`mfu`, the datasheet table :data:`GPU_SPECS` and
-  :func:`measure_peak_matmul_flops` for a CPU (which has no datasheet number that matters).
+  :func:`measure_peak_matmul_flops` for a CPU (which has no datasheet number that matters);
+  :func:`cpu_features` (native bf16 / fp16 kernels, AMX) for what low precision costs on this CPU.
 - Memory: :func:`model_state_bytes` (parameters, gradients, optimizer state counted from the tensors
   themselves, exact), :class:`SavedActivations` (bytes that autograd keeps for the backward pass,
-  counted with saved-tensor hooks), :func:`rss_bytes` and :func:`cuda_memory_stats`.
+  counted with saved-tensor hooks), :func:`live_tensor_bytes` (every tensor alive), :func:`rss_bytes` and
+  :func:`cuda_memory_stats`.
+- Communication: :class:`CollectiveCounter` (every collective call with its payload bytes, per phase), and
+  :func:`interval_union` / :func:`intervals_length` for the busy time of a profiled timeline.
 
 MFU (model FLOPs utilisation) follows PaLM (Chowdhery et al. 2022, appendix B): achieved *model*
 FLOP/s (6N + attention per token, no recomputation) divided by the device's peak dense FLOP/s.
@@ -18,8 +22,9 @@ FLOP/s (6N + attention per token, no recomputation) divided by the device's peak
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
-import os
 import platform
 import statistics
 import time
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
 # ---------------------------------------------------------------------------------------------
 # Hardware: datasheet peaks and a label for every printed number
@@ -97,6 +103,53 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_features() -> dict:
+    """What this CPU offers for 16-bit arithmetic (lesson 06).
+
+    ``isa``: the vector instruction set PyTorch's CPU kernels dispatch to ('AVX2', 'AVX512', ...);
+    ``bf16``: bf16 dot-product instructions (x86: AVX512-BF16 or AMX-BF16; elsewhere oneDNN's own answer);
+    ``fp16``: fp16 arithmetic for oneDNN (x86: AVX512-FP16 or AMX-FP16), the question DeepSpeed's CPU accelerator asks
+    (`torch.ops.mkldnn._is_mkldnn_fp16_supported`) before it accepts ``"fp16"``;
+    ``amx``: the AMX extensions present. Without native 16-bit instructions a CPU converts each 16-bit operand to
+    fp32 and back, so low precision is slower, not faster.
+    """
+    def ask(name: str) -> bool:
+        try:
+            return bool(getattr(torch.ops.mkldnn, name)())
+        except Exception:  # noqa: BLE001 - an old torch or a build without oneDNN: no native kernels
+            return False
+
+    caps = getattr(torch.cpu, "get_capabilities", dict)()          # torch's cpuinfo (x86); {} on older torch
+    flags: set = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    has = lambda name: bool(caps.get(name)) or name in flags  # noqa: E731
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686")
+    bf16 = has("avx512_bf16") or has("amx_bf16") if x86 else ask("_is_mkldnn_bf16_supported")
+    amx = sorted(n for n in ("amx_tile", "amx_bf16", "amx_fp16", "amx_int8") if has(n))
+    return dict(isa=torch.backends.cpu.get_cpu_capability(), bf16=bf16, fp16=ask("_is_mkldnn_fp16_supported"),
+                amx=amx)
+
+
+def describe_cpu_precision() -> str:
+    """One line for a lesson: this CPU's native 16-bit support (`cpu_features`), and what follows from it."""
+    f = cpu_features()
+    names = [n for n, ok in (("bf16", f["bf16"]), ("fp16", f["fp16"])) if ok]
+    amx = f", {', '.join(f['amx'])}" if f["amx"] else ""
+    fp16 = "DeepSpeed accepts fp16 here" if f["fp16"] else "DeepSpeed refuses fp16 here"
+    if not names:
+        return (f"{cpu_model_name()} ({f['isa']}): no native bf16 or fp16 instructions, so 16-bit operands are "
+                f"converted to fp32 and back (expect low precision to be slower than fp32); {fp16}")
+    return f"{cpu_model_name()} ({f['isa']}{amx}): native {' and '.join(names)} instructions; {fp16}"
+
+
 def hardware_label(backend: str | None = None, device: torch.device | str | None = None) -> str:
     """A one-line description of where a number was measured.
 
@@ -111,12 +164,9 @@ def hardware_label(backend: str | None = None, device: torch.device | str | None
         name = torch.cuda.get_device_name(device)
         be = backend or "NCCL"
         return f"{name}, torch {tv}, CUDA {torch.version.cuda}, {be.upper() if be.lower() == 'nccl' else be}"
-    cores = os.cpu_count() or 1
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        pass
-    label = f"CPU: {cpu_model_name()}, {cores} cores, {torch.get_num_threads()} threads, torch {tv}"
+    from course_lib.procs import usable_cores
+
+    label = f"CPU: {cpu_model_name()}, {usable_cores()} cores, {torch.get_num_threads()} threads, torch {tv}"
     return f"{label}, {backend}" if backend else label
 
 
@@ -241,7 +291,7 @@ _BEST_MATMUL: dict[tuple[str, str], float] = {}  # best matmul FLOP/s seen in th
 
 
 def record_matmul_flops(device, dtype: torch.dtype, flop_s: float) -> None:
-    """Remember an achieved matmul FLOP/s (``course_lib.bench.matmul_sweep`` calls this): on a CPU the peak
+    """Remember an achieved matmul FLOP/s (lesson 01's ``matmul_sweep`` calls this): on a CPU the peak
     is the best matmul seen, so no measurement reads above 100% of "peak"."""
     key = (str(torch.device(device)), str(dtype).replace("torch.", ""))
     _BEST_MATMUL[key] = max(_BEST_MATMUL.get(key, 0.0), flop_s)
@@ -303,7 +353,9 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
+def unique_bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
+    """Bytes of the storages behind ``tensors`` that are not in ``seen`` yet (``seen`` is updated): a storage
+    shared by several tensors (tied weights, views) counts once. None and non-tensors are skipped."""
     total = 0
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
@@ -326,19 +378,43 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     """
     seen: set = set()
     params = list(model.parameters())
-    p_bytes = _unique_bytes(params, seen)
-    g_bytes = _unique_bytes([p.grad for p in params], seen)
+    p_bytes = unique_bytes(params, seen)
+    g_bytes = unique_bytes([p.grad for p in params], seen)
     o_bytes = o_scalars = 0
     if optimizer is not None:
         for state in optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor):
-                    b = _unique_bytes([v], seen)
+                    b = unique_bytes([v], seen)
                     o_bytes += b
                     if v.dim() == 0:
                         o_scalars += b
     return dict(params=p_bytes, grads=g_bytes, optimizer=o_bytes, optimizer_scalars=o_scalars,
                 total=p_bytes + g_bytes + o_bytes)
+
+
+def live_tensor_bytes(device: torch.device | str | None = None) -> int:
+    """Bytes of every tensor alive in this process (storages deduplicated; DTensors counted by their local
+    shard; on CUDA: the allocator's allocated bytes; ``device`` defaults to this rank's, `dist.device()`). The one measurement that treats every library alike:
+    whatever it keeps (buckets, flat buffers, optimizer state), it keeps in tensors. A walk over every Python
+    object: about 0.3 s on a CPU (lesson 05)."""
+    import gc
+
+    from course_lib import dist
+
+    device = torch.device(device) if device is not None else dist.device()   # this rank's device
+    if device.type == "cuda":
+        synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    gc.collect()
+    tensors = []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+                tensors.append(obj.to_local() if hasattr(obj, "to_local") else obj)
+        except Exception:  # noqa: BLE001 - objects half torn down by gc
+            continue
+    return unique_bytes(tensors, set())
 
 
 class SavedActivations:
@@ -437,3 +513,115 @@ def fmt_flops(n: float, per_s: bool = True) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}{suffix}"
     return f"{n:.0f} {suffix}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication: collectives counted per call (lesson 04), intervals of a profiled timeline (lessons 01, 02)
+# ---------------------------------------------------------------------------------------------
+
+COUNTED_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                       "reduce_scatter_tensor", "broadcast", "all_to_all_single")
+# one name per algorithm
+COLLECTIVE_NAMES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+
+
+def _payload(op: str, args: tuple, kwargs: dict) -> torch.Tensor | list:
+    first = args[0] if args else kwargs.get("tensor", kwargs.get("output", kwargs.get("output_tensor")))
+    if op == "reduce_scatter_tensor":                  # (output, input): the input is the full tensor
+        return args[1] if len(args) > 1 else kwargs["input"]
+    if op == "reduce_scatter":                         # (output, input_list)
+        return args[1] if len(args) > 1 else kwargs["input_list"]
+    return first                                       # all_reduce tensor; all_gather(_into_tensor) output
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return tensor_bytes(x)
+
+
+class CollectiveCounter:
+    """Count the collectives a rank calls, with their payload bytes, forward and backward apart (lesson 04).
+    Records every call as (phase, op, payload bytes, group size).
+
+        counter = CollectiveCounter()
+        with counter:                                   # patches torch.distributed's collectives
+            with counter.phase("forward"):
+                loss = tp_model.loss(x, y)
+            with counter.phase("backward"):
+                loss.backward()
+        counter.table()    # {(phase, op): {"calls": n, "bytes": b}}
+
+    The payload of a call is the size of the whole tensor being reduced or gathered: the tensor of an
+    all-reduce, the *output* of an all-gather, the *input* of a reduce-scatter. What one rank actually sends
+    over a ring is a fraction of it: 2(t-1)/t for an all-reduce, (t-1)/t for the other two
+    (`course_lib.theory.comm.bus_factor`). Code that calls ``dist.all_reduce(...)`` at call time (every layer
+    in this course, and a learner's) is counted; DTensor's functional collectives are not.
+    """
+
+    def __init__(self):
+        self.records: list[tuple[str, str, int, int]] = []
+        self.current = "other"
+        self._saved: dict = {}
+
+    def __enter__(self) -> "CollectiveCounter":
+        for op in COUNTED_COLLECTIVES:
+            real = getattr(dist, op)
+            self._saved[op] = real
+            setattr(dist, op, self._wrap(op, real))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for op, real in self._saved.items():
+            setattr(dist, op, real)
+        self._saved = {}
+
+    def _wrap(self, op: str, real):
+        def counted(*args, **kwargs):
+            group = kwargs.get("group")
+            self.records.append((self.current, COLLECTIVE_NAMES.get(op, op), _nbytes(_payload(op, args, kwargs)),
+                                 dist.get_world_size(group)))
+            return real(*args, **kwargs)
+        return counted
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Label the calls made inside the block ("forward", "backward", ...)."""
+        old, self.current = self.current, name
+        try:
+            yield
+        finally:
+            self.current = old
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def table(self) -> dict:
+        """{(phase, op): {"calls": n, "bytes": payload bytes}} (plain types: it travels back from ranks)."""
+        out = collections.defaultdict(lambda: {"calls": 0, "bytes": 0})
+        for phase, op, nbytes, _ in self.records:
+            out[(phase, op)]["calls"] += 1
+            out[(phase, op)]["bytes"] += nbytes
+        return {k: dict(v) for k, v in out.items()}
+
+    def calls(self, phase: str | None = None, op: str | None = None) -> int:
+        return sum(1 for p, o, _, _ in self.records if phase in (None, p) and op in (None, o))
+
+    def bytes(self, phase: str | None = None, op: str | None = None) -> int:
+        return sum(b for p, o, b, _ in self.records if phase in (None, p) and op in (None, o))
+
+
+def interval_union(intervals) -> list[list[float]]:
+    """Merge (start, end) intervals into disjoint, sorted ones: the time during which at least one was open."""
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def intervals_length(intervals) -> float:
+    """Total length of disjoint intervals (e.g. `interval_union`'s)."""
+    return sum(e - s for s, e in intervals)

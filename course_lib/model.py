@@ -26,7 +26,12 @@ import torch.nn.functional as F
 
 from course_lib.config import ConfigError, ModelConfig
 
-__all__ = ["GPT", "Block", "CausalSelfAttention", "MLP", "build_model", "hf_gpt2_config", "to_hf_gpt2"]
+__all__ = ["GPT", "Block", "CausalSelfAttention", "MLP", "lm_loss", "build_model", "hf_gpt2_config", "to_hf_gpt2"]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits (B, T, V), targets (B, T) -> scalar, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())   # (B*T, V) vs (B*T,)
 
 
 class CausalSelfAttention(nn.Module):
@@ -154,7 +159,7 @@ class GPT(nn.Module):
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (nats) of the logits for idx (B, T) against targets (B, T)."""
         logits = self(idx)                                          # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())   # (B*T, V) vs (B*T,)
+        return lm_loss(logits, targets)
 
     def num_params(self) -> int:
         """Number of distinct parameters (a tied head counted once); equals cfg.num_params()."""

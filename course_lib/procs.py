@@ -21,6 +21,14 @@ import psutil
 TAG_VAR = "COURSE_PROC_TAG"
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; all cores where the OS has no such mask)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
 def new_tag(prefix: str = "run") -> str:
     """A unique value for ``COURSE_PROC_TAG``."""
     return f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"

@@ -7,7 +7,9 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from course_lib import bench, measure, plots, widgets  # noqa: E402
+from course_lib import measure  # noqa: E402
+from course_lib.lessons.l01_bottlenecks import experiments as bottleneck_lab  # noqa: E402
+from course_lib.lessons.l01_bottlenecks import report as bottleneck_report  # noqa: E402
 from course_lib.theory import comm, flops, memory  # noqa: E402
 
 
@@ -15,22 +17,22 @@ def test_breakdown_of_synthetic_events_adds_up():
     events = [("aten::mm", 0.0, 4.0), ("aten::add", 3.0, 5.0),        # compute 0..5
               ("gloo:all_reduce", 4.0, 7.0), ("c10d::allreduce_", 6.5, 8.0),  # comm 4..8
               ("aten::mul", 9.0, 9.5), ("aten::outside", 11.0, 12.0)]
-    bd = bench.breakdown(events, (0.0, 10.0))
+    bd = bottleneck_lab.breakdown(events, (0.0, 10.0))
     assert bd["compute"] == pytest.approx(5.5) and bd["communication"] == pytest.approx(4.0)
     assert bd["overlap"] == pytest.approx(1.0)
     assert bd["compute_only"] + bd["comm_only"] + bd["overlap"] + bd["idle"] == pytest.approx(10.0)
     assert bd["idle"] == pytest.approx(1.5)
-    assert bench.is_comm_event("nccl:all_reduce") and bench.is_comm_event("gloo:all_gather")
-    assert not bench.is_comm_event("aten::addmm")
+    assert bottleneck_lab.is_comm_event("nccl:all_reduce") and bottleneck_lab.is_comm_event("gloo:all_gather")
+    assert not bottleneck_lab.is_comm_event("aten::addmm")
 
 
 def test_collective_sizes():
-    sizes = bench.collective_sizes()
+    sizes = bottleneck_lab.collective_sizes()
     assert sizes[0] == 1024 and sizes[-1] == 64 * 1024 ** 2 and len(sizes) == 9
 
 
 def test_collective_benchmark_bus_bandwidth_exact():
-    rows = bench.collective_benchmark(world_sizes=(2,), sizes=[1024, 1024 ** 2], timeout_s=180)
+    rows = bottleneck_lab.collective_benchmark(world_sizes=(2,), sizes=[1024, 1024 ** 2], timeout_s=180)
     assert {r["op"] for r in rows} == set(comm.OPS) and len(rows) == 8
     for r in rows:
         assert r["world_size"] == 2 and r["time_s"] > 0 and r["backend"] == "gloo"
@@ -38,12 +40,12 @@ def test_collective_benchmark_bus_bandwidth_exact():
         assert r["algbw"] == r["bytes"] / r["time_s"]
         if r["op"] == "all_reduce":   # nccl-tests: busbw = algbw x 2(n-1)/n, exactly
             assert r["busbw"] == r["bytes"] / r["time_s"] * (2 * (2 - 1) / 2)
-    fits = bench.fit_collectives(rows)
+    fits = bottleneck_lab.fit_collectives(rows)
     assert set(fits) == {(op, 2) for op in comm.OPS}
 
 
 def test_profile_ddp_step_breakdown():
-    out = bench.profile_ddp_step(nprocs=2, preset="tiny", batch_size=4, steps=2, timeout_s=180)
+    out = bottleneck_lab.profile_ddp_step(nprocs=2, preset="tiny", batch_size=4, steps=2, timeout_s=180)
     assert out["backend"] == "gloo" and len(out["steps"]) == 2
     bd = out["median"]
     assert bd["compute"] > 0 and bd["communication"] > 0   # DDP all-reduced the gradients
@@ -53,16 +55,16 @@ def test_profile_ddp_step_breakdown():
 
 
 def test_single_device_benchmarks_small():
-    mm = bench.matmul_sweep(sizes=[32, 64], repeats=1)
+    mm = bottleneck_lab.matmul_sweep(sizes=[32, 64], repeats=1)
     assert [r["n"] for r in mm] == [32, 64] and all(r["flop_s"] > 0 for r in mm)
-    cp = bench.copy_bandwidth(sizes_bytes=[1 << 20], repeats=1)
+    cp = bottleneck_lab.copy_bandwidth(sizes_bytes=[1 << 20], repeats=1)
     assert cp[0]["bytes_moved"] == 2 << 20 and cp[0]["bw"] > 0
-    pts = bench.roofline_points(repeats=1)
+    pts = bottleneck_lab.roofline_points(repeats=1)
     kinds = {p["kind"] for p in pts}
     assert kinds == {"matmul", "elementwise", "layernorm", "attention"}
     for p in pts:
         assert p["intensity"] == p["flops"] / p["bytes"]
-    fig = plots.roofline(pts, 1e11, 1e10, measure.hardware_label())
+    fig = bottleneck_report.roofline_figure(pts, 1e11, 1e10, measure.hardware_label())
     assert fig.axes
 
 
@@ -70,16 +72,16 @@ def test_plots_build():
     label = measure.hardware_label("gloo")
     rows = [dict(op=op, world_size=ws, bytes=b, time_s=1e-5 + b / 1e9, busbw=b / (1e-5 + b / 1e9))
             for op in comm.OPS for ws in (2, 4) for b in (1024, 1 << 20, 1 << 26)]
-    assert plots.collectives(rows, bench.fit_collectives(rows), label).axes
-    assert plots.matmul_sweep([dict(n=64, flop_s=1e9), dict(n=128, flop_s=2e9)], 3e9, label).axes
-    assert plots.memory_bars({"predicted": dict(params=1, grads=1), "measured": dict(params=1, grads=1)},
+    assert bottleneck_report.collectives_figure(rows, bottleneck_lab.fit_collectives(rows), label).axes
+    assert bottleneck_report.matmul_figure([dict(n=64, flop_s=1e9), dict(n=128, flop_s=2e9)], 3e9, label).axes
+    assert bottleneck_report.memory_figure({"predicted": dict(params=1, grads=1), "measured": dict(params=1, grads=1)},
                              label).axes
-    bd = bench.breakdown([("aten::mm", 0, 1), ("gloo:all_reduce", 0.5, 2)], (0, 3))
-    assert plots.step_breakdown(bd, label).axes
+    bd = bottleneck_lab.breakdown([("aten::mm", 0, 1), ("gloo:all_reduce", 0.5, 2)], (0, 3))
+    assert bottleneck_report.step_breakdown_figure(bd, label).axes
 
 
 def test_widget_estimate_uses_the_formulas():
-    est = widgets.bottleneck_estimate("gpt2-124m", "H100", "4 nodes x 8 GPUs, InfiniBand 400 Gb/s per GPU",
+    est = bottleneck_report.bottleneck_estimate("gpt2-124m", "H100", "4 nodes x 8 GPUs, InfiniBand 400 Gb/s per GPU",
                                       micro_batch=8, mfu=0.5)
     from course_lib.config import get_preset
     cfg = get_preset("gpt2-124m")
@@ -92,20 +94,20 @@ def test_widget_estimate_uses_the_formulas():
         + est["memory_bytes"]["optimizer"] == 16 * P
     assert est["memory_bytes"]["activations"] == memory.activation_bytes(cfg, 8, dtype=torch.bfloat16)["total"]
     assert est["fits"] and "compute" in est["bound"] or "communication" in est["bound"]
-    big = widgets.bottleneck_estimate("gpt3-175b", "A100", "1 GPU")
+    big = bottleneck_report.bottleneck_estimate("gpt3-175b", "A100", "1 GPU")
     assert not big["fits"] and big["bound"].startswith("memory")
-    assert widgets.bottleneck_widget() is not None
+    assert bottleneck_report.bottleneck_widget() is not None
 
 
 def test_training_step_helpers_match_the_formulas():
     from course_lib.config import get_preset
     cfg = get_preset("tiny")
-    mem = bench.training_memory(cfg, 2, "cpu")
+    mem = bottleneck_lab.training_memory(cfg, 2, "cpu")
     pred = memory.training_memory_bytes(cfg, "adam", torch.float32, step_counters=memory.num_param_tensors(cfg))
     assert (mem["params"], mem["grads"], mem["optimizer"]) == (pred["params"], pred["grads"], pred["optimizer"])
     assert mem["activations"] == pytest.approx(memory.activation_bytes(cfg, 2)["total"], rel=0.10)
     assert mem["rss"] > 0 and mem["hardware"].startswith("CPU")
-    step = bench.train_step_mfu(cfg, 2, "cpu", warmup=1, repeats=2)
+    step = bottleneck_lab.train_step_mfu(cfg, 2, "cpu", warmup=1, repeats=2)
     assert step["step_flops"] == flops.flops_per_token(cfg) * 2 * cfg.seq_len
     assert step["mfu"] == pytest.approx(step["step_flops"] / step["seconds"] / step["peak"])
     assert step["mfu"] > 0   # no bound on the value: timings on a shared machine are noisy

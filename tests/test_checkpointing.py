@@ -1,5 +1,5 @@
-"""Tests of lesson 07's memory savers (course_lib/parallel/checkpointing.py, savers_experiments.py,
-savers_checks.py, theory/savers.py).
+"""Tests of lesson 07's memory savers (course_lib/parallel/checkpointing.py, lessons/l07_memory_savers,
+theory/savers.py).
 
 Checkpointed models must give the plain model's loss and gradients; the activation bytes measured after the
 forward and at the peak of backward must match the formulas; the recomputed FLOPs are counted exactly; naive
@@ -18,17 +18,16 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from course_lib.config import ModelConfig
+from course_lib import theory
+from course_lib.config import PRESETS, ModelConfig
+from course_lib.data import random_batches
 from course_lib.grading.check import CheckFailed
+from course_lib.lessons.l07_memory_savers import checks as savers_checks
+from course_lib.lessons.l07_memory_savers import experiments as savers_lab
 from course_lib.measure import count_flops
 from course_lib.model import build_model
-from course_lib.parallel import savers_checks as C
-from course_lib.parallel import savers_experiments as E
 from course_lib.parallel.checkpointing import (CheckpointedBlock, apply_activation_checkpointing,
                                                checkpointed_segments, remove_activation_checkpointing)
-from course_lib.parallel.ddp_experiments import make_batches
-from course_lib.theory import memory as M
-from course_lib.theory import savers as S
 
 CFG = ModelConfig(vocab_size=64, seq_len=32, n_layer=4, n_head=2, d_model=32, name="ckpt-test")
 
@@ -40,14 +39,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.mark.parametrize("every,selective", [(1, False), (2, False), (3, False), (1, True)])
 def test_checkpointed_model_same_loss_and_gradients(every, selective):
-    x, y = make_batches(CFG, 4, 1, seed=3)[0]
+    x, y = random_batches(CFG, 4, 1, seed=3)[0]
     plain = build_model(CFG, 0)
-    ref = E.measure_step(plain, x, y)
+    ref = savers_lab.measure_step(plain, x, y)
     model = build_model(CFG, 0)
     names = list(model.state_dict())
     apply_activation_checkpointing(model, every=every, selective=selective)
     assert list(model.state_dict()) == names, "checkpointing must not rename parameters"
-    got = E.measure_step(model, x, y)
+    got = savers_lab.measure_step(model, x, y)
     assert got["loss"] == ref["loss"]
     assert got["grads"].keys() == ref["grads"].keys()
     for k in ref["grads"]:
@@ -56,7 +55,7 @@ def test_checkpointed_model_same_loss_and_gradients(every, selective):
     with torch.no_grad():                              # inference: no checkpoint, the same logits
         torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
     remove_activation_checkpointing(model)
-    assert E.measure_step(model, x, y)["held"] == ref["held"]
+    assert savers_lab.measure_step(model, x, y)["held"] == ref["held"]
 
 
 def test_segments_and_validation():
@@ -67,7 +66,7 @@ def test_segments_and_validation():
     with pytest.raises(ValueError, match="selective"):
         apply_activation_checkpointing(model, every=2, selective=True)
     with pytest.raises(ValueError, match="every"):
-        S.checkpointed_activation_bytes(CFG, 2, every=0)
+        theory.savers.checkpointed_activation_bytes(CFG, 2, every=0)
 
 
 # ------------------------------------------------------------------------------ memory: measured vs formula
@@ -76,7 +75,7 @@ def test_activation_bytes_match_estimate_for_several_k():
     """Held within 10% of the formula (it is within 2%: token ids are inputs, not created by the forward), the
     reduction vs the plain model within 10% of the formula's, the backward peak within 10%; selective in between."""
     cfg = ModelConfig(vocab_size=64, seq_len=32, n_layer=8, n_head=2, d_model=32, name="ckpt-8")
-    rows = E.checkpoint_sweep(cfg, 4, everys=(None, 1, 2, 4, 8), selective=True, cost=False)
+    rows = savers_lab.checkpoint_sweep(cfg, 4, everys=(None, 1, 2, 4, 8), selective=True, cost=False)
     plain = rows[0]
     for r in rows:
         assert r["held"] == pytest.approx(r["est_held"], rel=0.10), r["label"]
@@ -94,25 +93,25 @@ def test_activation_bytes_match_estimate_for_several_k():
 def test_sqrt_rule_best_k_measured():
     """48 narrow blocks keep A ~ 16 s each: the formula's best k (2) is also the measured one."""
     deep = ModelConfig(vocab_size=64, seq_len=16, n_layer=48, n_head=2, d_model=32, name="deep")
-    est = S.checkpointed_activation_bytes(deep, 1)
-    best = S.best_checkpoint_every(deep.n_layer, est["per_layer"], est["boundary"])
+    est = theory.savers.checkpointed_activation_bytes(deep, 1)
+    best = theory.savers.best_checkpoint_every(deep.n_layer, est["per_layer"], est["boundary"])
     assert best["every"] == 2
     assert best["continuous"] == pytest.approx(math.sqrt(48 * est["boundary"] / est["per_layer"]))
-    rows = E.checkpoint_sweep(deep, 1, everys=(1, 2, 3, 4), selective=False, cost=False)
+    rows = savers_lab.checkpoint_sweep(deep, 1, everys=(1, 2, 3, 4), selective=False, cost=False)
     assert min(rows, key=lambda r: r["peak"])["every"] == best["every"]
-    assert S.best_checkpoint_every(64, 16.0, 1.0)["every"] == 2        # the quiz
-    assert S.best_checkpoint_every(100, 1.0, 1.0)["every"] == 10        # A = s: k = sqrt(L)
+    assert theory.savers.best_checkpoint_every(64, 16.0, 1.0)["every"] == 2        # the quiz
+    assert theory.savers.best_checkpoint_every(100, 1.0, 1.0)["every"] == 10        # A = s: k = sqrt(L)
 
 
 def test_recompute_flops_counted_exactly():
-    x, y = make_batches(CFG, 2, 1)[0]
+    x, y = random_batches(CFG, 2, 1)[0]
     model = build_model(CFG, 0)
     plain = count_flops(lambda: model.loss(x, y).backward())
     for every in (1, 2, 4):
         apply_activation_checkpointing(model, every=every)
         got = count_flops(lambda: model.loss(x, y).backward())
-        assert got - plain == S.recompute_flops(CFG, 2, every)
-        assert 1 < got / plain <= S.recompute_flops_ratio(1.0)
+        assert got - plain == theory.savers.recompute_flops(CFG, 2, every)
+        assert 1 < got / plain <= theory.savers.recompute_flops_ratio(1.0)
     apply_activation_checkpointing(model, selective=True)
     assert count_flops(lambda: model.loss(x, y).backward()) == plain   # selective: no matmul recomputed
 
@@ -120,7 +119,7 @@ def test_recompute_flops_counted_exactly():
 # ------------------------------------------------------------------------------ attention, accumulation
 
 def test_attention_memory_naive_vs_sdpa():
-    rows = E.attention_sweep(seq_lens=(64, 128, 256), batch=1, n_head=2, head_dim=8, repeats=1)
+    rows = savers_lab.attention_sweep(seq_lens=(64, 128, 256), batch=1, n_head=2, head_dim=8, repeats=1)
     for r in rows:
         assert r["naive"] == r["naive_formula"] and r["sdpa"] == r["sdpa_formula"]
         assert r["max_diff"] < 1e-5
@@ -130,17 +129,17 @@ def test_attention_memory_naive_vs_sdpa():
     # the whole model with naive attention: held bytes vs the formula
     cfg = ModelConfig(vocab_size=64, seq_len=128, n_layer=2, n_head=4, d_model=32, name="naive")
     model = build_model(cfg, 0)
-    x, y = make_batches(cfg, 2, 1)[0]
-    with E.use_attention(model, "naive"):
-        naive = E.measure_step(model, x, y)
-    sdpa = E.measure_step(model, x, y)
+    x, y = random_batches(cfg, 2, 1)[0]
+    with savers_lab.use_attention(model, "naive"):
+        naive = savers_lab.measure_step(model, x, y)
+    sdpa = savers_lab.measure_step(model, x, y)
     assert naive["loss"] == pytest.approx(sdpa["loss"], rel=1e-5)
     for held, kind in ((naive["held"], "naive"), (sdpa["held"], "sdpa")):
-        assert held == pytest.approx(S.model_activation_bytes(cfg, 2, attention=kind)["total"], rel=0.01)
+        assert held == pytest.approx(theory.savers.model_activation_bytes(cfg, 2, attention=kind)["total"], rel=0.01)
 
 
 def test_gradient_accumulation_same_gradients_less_memory():
-    rows = E.accumulation_sweep(CFG, global_batch=8, micro_batches=(8, 2, 1), repeats=1)
+    rows = savers_lab.accumulation_sweep(CFG, global_batch=8, micro_batches=(8, 2, 1), repeats=1)
     full = rows[0]
     for r in rows:
         assert r["dgrad"] < 1e-6
@@ -153,30 +152,29 @@ def test_gradient_accumulation_same_gradients_less_memory():
 # ------------------------------------------------------------------------------ budget fitting
 
 def test_fit_budget_known_cases():
-    cands = C.budget_candidates(seq_len=256)
-    assert S.fit_budget(1e5, cands, 16) is None
-    assert all(S.plan_bytes(c, 16)["total"] > 35e6 for c in cands)   # no saver: nothing fits (the lesson)
-    plan = S.fit_budget(35e6, cands, 16, everys=(None,))              # accumulation only
+    cands = savers_checks.budget_candidates(seq_len=256)
+    assert theory.savers.fit_budget(1e5, cands, 16) is None
+    assert all(theory.savers.plan_bytes(c, 16)["total"] > 35e6 for c in cands)   # no saver: nothing fits (the lesson)
+    plan = theory.savers.fit_budget(35e6, cands, 16, everys=(None,))              # accumulation only
     assert (plan["name"], plan["micro_batch"], plan["every"]) == ("d192-L2", 2, None)
-    plan = S.fit_budget(35e6, cands, 16)                              # + checkpointing: a bigger model
+    plan = theory.savers.fit_budget(35e6, cands, 16)                              # + checkpointing: a bigger model
     assert (plan["name"], plan["micro_batch"], plan["accum_steps"], plan["every"]) == ("d256-L2", 1, 16, 1)
-    plan = S.fit_budget(35e6, cands, 16, offloads=(None, "optimizer"))
+    plan = theory.savers.fit_budget(35e6, cands, 16, offloads=(None, "optimizer"))
     assert (plan["name"], plan["offload"]) == ("d256-L4", "optimizer")
-    huge = S.fit_budget(1e12, cands, 16)                              # everything fits: biggest, no saver
+    huge = theory.savers.fit_budget(1e12, cands, 16)                              # everything fits: biggest, no saver
     assert (huge["name"], huge["micro_batch"], huge["every"]) == ("d384-L12", 16, None)
     cfg = next(c for c in cands if c.name == "d256-L2")
-    state = M.training_memory_bytes(cfg, "adamw", step_counters=M.num_param_tensors(cfg))
-    b = S.plan_bytes(cfg, 1, 1)
-    assert b["state"] == state["total"] == 16 * cfg.num_params() + 4 * M.num_param_tensors(cfg)
-    assert S.plan_bytes(cfg, 1, 1, offload="optimizer")["cpu"] == state["optimizer"]
+    state = theory.memory.training_memory_bytes(cfg, "adamw", step_counters=theory.memory.num_param_tensors(cfg))
+    b = theory.savers.plan_bytes(cfg, 1, 1)
+    assert b["state"] == state["total"] == 16 * cfg.num_params() + 4 * theory.memory.num_param_tensors(cfg)
+    assert theory.savers.plan_bytes(cfg, 1, 1, offload="optimizer")["cpu"] == state["optimizer"]
 
 
 def test_planner_extends_lesson05_calculator():
-    from course_lib.parallel.savers_report import planner_bytes
-    from course_lib.parallel.zero_report import calculator_bytes
-    base = calculator_bytes("gpt2-1.5b", 8, 2, None, True, 4)
-    none = planner_bytes("gpt2-1.5b", 8, 2, None, True, 4, every=None, global_batch=512)
-    every1 = planner_bytes("gpt2-1.5b", 8, 2, None, True, 4, every=1, global_batch=512)
+    cfg = PRESETS["gpt2-1.5b"]
+    base = theory.memory.per_rank_bytes(cfg, 8, 2, None, True, 4)
+    none = theory.savers.planner_bytes(cfg, 8, 2, None, True, 4, every=None, global_batch=512)
+    every1 = theory.savers.planner_bytes(cfg, 8, 2, None, True, 4, every=1, global_batch=512)
     assert none["params"] == base["params"] and none["accum_steps"] == 16
     assert every1["activations"] < none["activations"] and every1["device_total"] < none["device_total"]
 
@@ -184,14 +182,14 @@ def test_planner_extends_lesson05_calculator():
 # ------------------------------------------------------------------------------ the graded checks
 
 def _estimator(cfg, B, T, every, attention):
-    return S.checkpointed_activation_bytes(cfg, B, T, every, attention=attention)["held"]
+    return theory.savers.checkpointed_activation_bytes(cfg, B, T, every, attention=attention)["held"]
 
 
 def test_checks_accept_the_reference_answers():
-    out = C.check_checkpointed_block(CheckpointedBlock)
+    out = savers_checks.check_checkpointed_block(CheckpointedBlock)
     assert out["held"] < out["plain_held"] / 3 and out["flops"] > out["plain_flops"]
-    C.check_activation_estimator(_estimator)
-    C.check_budget_fitter(lambda b, c, g: S.fit_budget(b, c, g))
+    savers_checks.check_activation_estimator(_estimator)
+    savers_checks.check_budget_fitter(lambda b, c, g: theory.savers.fit_budget(b, c, g))
 
 
 class _NoCheckpoint(CheckpointedBlock):
@@ -222,7 +220,7 @@ class _Identity(nn.Module):            # "saves" everything by doing nothing
 @pytest.mark.parametrize("wrapper", [_NoCheckpoint, _DetachedInput, _NoGrad, _Identity])
 def test_block_check_rejects_wrong_wrappers(wrapper):
     with pytest.raises(CheckFailed):
-        C.check_checkpointed_block(wrapper)
+        savers_checks.check_checkpointed_block(wrapper)
 
 
 def _no_attention_term(cfg, B, T, every, attention):
@@ -236,22 +234,22 @@ def _ignores_checkpointing(cfg, B, T, every, attention):
 def _floor_segments(cfg, B, T, every, attention):
     if every is None:
         return _estimator(cfg, B, T, None, attention)
-    return (cfg.n_layer // every) * B * T * cfg.d_model * 4 + M.activation_bytes(cfg, B, T)["other"]
+    return (cfg.n_layer // every) * B * T * cfg.d_model * 4 + theory.memory.activation_bytes(cfg, B, T)["other"]
 
 
 def _no_loss_part(cfg, B, T, every, attention):
-    return _estimator(cfg, B, T, every, attention) - M.activation_bytes(cfg, B, T)["other"]
+    return _estimator(cfg, B, T, every, attention) - theory.memory.activation_bytes(cfg, B, T)["other"]
 
 
 @pytest.mark.parametrize("fn", [_no_attention_term, _ignores_checkpointing, _floor_segments, _no_loss_part])
 def test_estimator_check_rejects_wrong_estimators(fn):
     with pytest.raises(CheckFailed):
-        C.check_activation_estimator(fn)
+        savers_checks.check_activation_estimator(fn)
 
 
 def _smallest_first(budget, cands, gb):
     for cfg in sorted(cands, key=lambda c: c.num_params()):
-        plan = S.fit_budget(budget, [cfg], gb)
+        plan = theory.savers.fit_budget(budget, [cfg], gb)
         if plan:
             return plan
     return None
@@ -260,7 +258,7 @@ def _smallest_first(budget, cands, gb):
 def _no_accumulation(budget, cands, gb):
     for cfg in sorted(cands, key=lambda c: c.num_params(), reverse=True):
         for every in (None, 1, 2, 4):
-            b = S.plan_bytes(cfg, gb, every)["total"]
+            b = theory.savers.plan_bytes(cfg, gb, every)["total"]
             if b <= budget:
                 return dict(name=cfg.name, micro_batch=gb, accum_steps=1, every=every, bytes=b)
     return None
@@ -268,7 +266,7 @@ def _no_accumulation(budget, cands, gb):
 
 def _least_memory_plan(budget, cands, gb):
     for cfg in sorted(cands, key=lambda c: c.num_params(), reverse=True):
-        plans = [(S.plan_bytes(cfg, mb, k)["total"], mb, k) for mb in range(1, gb + 1) if gb % mb == 0
+        plans = [(theory.savers.plan_bytes(cfg, mb, k)["total"], mb, k) for mb in range(1, gb + 1) if gb % mb == 0
                  for k in (None, 1, 2, 4)]
         fits = [p for p in plans if p[0] <= budget]
         if fits:
@@ -280,4 +278,4 @@ def _least_memory_plan(budget, cands, gb):
 @pytest.mark.parametrize("fn", [_smallest_first, _no_accumulation, _least_memory_plan])
 def test_budget_check_rejects_wrong_fitters(fn):
     with pytest.raises(CheckFailed):
-        C.check_budget_fitter(fn)
+        savers_checks.check_budget_fitter(fn)

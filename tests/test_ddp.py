@@ -1,4 +1,4 @@
-"""Tests of lesson 02's data parallelism (course_lib/parallel/{collectives,ddp,ddp_experiments}.py).
+"""Tests of lesson 02's data parallelism (course_lib/parallel/{collectives,ddp}.py, lessons/l02_data_parallel).
 
 Every data-parallel variant runs on gloo ranks and is compared with one process on the global batch
 (losses every step, parameters after the last step, gradients of the last step), and with PyTorch DDP.
@@ -14,15 +14,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from course_lib.data import random_batches
 from course_lib.launch import run
-from course_lib.parallel import ddp_experiments as E
+from course_lib.lessons.common import small_config, train_reference
+from course_lib.lessons.l02_data_parallel import experiments as ddp_lab
+from course_lib.model import build_model
 from course_lib.parallel.collectives import chunk_sizes, ring_bytes_formula, ring_bytes_sent
 from course_lib.parallel.ddp import make_buckets
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the rank functions below travel by value
 
 STEPS = 3
-CFG = E.small_config()                       # 2 layers, d_model 32: milliseconds per step
+CFG = small_config()                       # 2 layers, d_model 32: milliseconds per step
 RING_SIZES = [0, 1, 2, 3, 5, 7, 64, 1000, 1001, 4099]
 
 
@@ -74,16 +77,16 @@ def _two_rank_checks(cfg, batches):
     from course_lib.parallel.collectives import ByteCounter, ring_all_reduce
 
     out = {
-        "naive": E.rank_train(cfg, batches, mode="naive"),
-        "bucketed_tiny": E.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=1e-4),   # 1 param/bucket
-        "bucketed_mid": E.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=0.01),
-        "bucketed_one": E.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=25.0),
-        "accum": E.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=0.01, accum_steps=2),
-        "torch": E.rank_train(cfg, batches, mode="torch"),
+        "naive": ddp_lab.rank_train(cfg, batches, mode="naive"),
+        "bucketed_tiny": ddp_lab.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=1e-4),   # 1 param/bucket
+        "bucketed_mid": ddp_lab.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=0.01),
+        "bucketed_one": ddp_lab.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=25.0),
+        "accum": ddp_lab.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=0.01, accum_steps=2),
+        "torch": ddp_lab.rank_train(cfg, batches, mode="torch"),
     }
-    ten = E.make_batches(cfg, 8, 10, seed=1)
-    out["own10"] = E.rank_train(cfg, ten, mode="bucketed", bucket_cap_mb=0.01)
-    out["torch10"] = E.rank_train(cfg, ten, mode="torch", bucket_cap_mb=0.01)
+    ten = random_batches(cfg, 8, 10, seed=1)
+    out["own10"] = ddp_lab.rank_train(cfg, ten, mode="bucketed", bucket_cap_mb=0.01)
+    out["torch10"] = ddp_lab.rank_train(cfg, ten, mode="torch", bucket_cap_mb=0.01)
     ring = []
     for numel in RING_SIZES:
         t = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank() + 10 * numel))
@@ -93,16 +96,16 @@ def _two_rank_checks(cfg, batches):
         ring_all_reduce(t, counter=counter)
         ring.append((numel, t, expected, counter.bytes_sent))
     out["ring"] = ring
-    out["throughput"] = E.rank_throughput(cfg, 2, variants=(("own", 25.0), ("torch", 25.0)), steps=1, warmup=0,
+    out["throughput"] = ddp_lab.rank_throughput(cfg, 2, variants=(("own", 25.0), ("torch", 25.0)), steps=1, warmup=0,
                                           profile=True)
     return out
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    batches = E.make_batches(CFG, 8, STEPS)
+    batches = random_batches(CFG, 8, STEPS)
     res = run(_two_rank_checks, 2, args=(CFG, batches), timeout_s=240, stream=False, backend="gloo")
-    return res.returns, E.train_reference(CFG, batches)
+    return res.returns, train_reference(CFG, batches)
 
 
 def test_naive_dp_equals_one_process(two_ranks):
@@ -116,7 +119,7 @@ def test_bucketed_ddp_equals_one_process(two_ranks, variant):
     returns, ref = two_ranks
     for rank, out in enumerate(returns):
         _assert_matches_reference(out[variant], ref, f"{variant}, rank {rank}")
-    n_buckets = {"bucketed_one": 1, "bucketed_tiny": sum(1 for _ in E.build_model(CFG).parameters())}
+    n_buckets = {"bucketed_one": 1, "bucketed_tiny": sum(1 for _ in build_model(CFG).parameters())}
     if variant in n_buckets:                      # one all-reduce per bucket per step, no more
         assert returns[0][variant]["num_all_reduces"] == STEPS * n_buckets[variant]
 
@@ -179,17 +182,17 @@ def _four_rank_checks(cfg, batches, batches6):
     avg = torch.full((5, 3), float(r))
     ring_all_reduce(avg, average=True)
     out = {"ring": ring, "average": avg,
-           "ddp4": E.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=0.01)}
+           "ddp4": ddp_lab.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=0.01)}
     if r < 3:                                                          # data parallel over 3 of the 4 ranks
-        out["ddp3"] = E.rank_train(cfg, batches6, mode="bucketed", bucket_cap_mb=0.01, group=groups[3])
+        out["ddp3"] = ddp_lab.rank_train(cfg, batches6, mode="bucketed", bucket_cap_mb=0.01, group=groups[3])
     return out
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    batches, batches6 = E.make_batches(CFG, 8, STEPS), E.make_batches(CFG, 6, STEPS, seed=2)
+    batches, batches6 = random_batches(CFG, 8, STEPS), random_batches(CFG, 6, STEPS, seed=2)
     res = run(_four_rank_checks, 4, args=(CFG, batches, batches6), timeout_s=240, stream=False, backend="gloo")
-    return res.returns, E.train_reference(CFG, batches), E.train_reference(CFG, batches6)
+    return res.returns, train_reference(CFG, batches), train_reference(CFG, batches6)
 
 
 def test_ring_all_reduce_world_sizes_1_to_4(four_ranks):

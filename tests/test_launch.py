@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import _thread
 import os
+import signal
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import launch, procs
+from course_lib import procs
 from course_lib.launch import DistributedRunError, LaunchError, RunInterrupted, RunTimeout, run, run_script
 
 
@@ -49,7 +49,7 @@ def test_four_ranks_return_values_and_logs():
     assert [r["rank"] for r in res.returns] == [0, 1, 2, 3]
     assert all(r["world"] == 4 and r["sum"] == 20.0 for r in res.returns)  # (1+2+3+4) * 2
     assert res.backend == "gloo" and all(r["backend"] == "gloo" for r in res.returns)
-    cores = len(os.sched_getaffinity(0))
+    cores = procs.usable_cores()
     assert all(r["threads"] == max(1, cores // 4) for r in res.returns)
     assert len(res.logs) == 4 and all(p.exists() for p in res.logs)
     assert res.devices == ["cpu"] * 4
@@ -126,6 +126,10 @@ def _sleep_forever():
 
 
 def test_keyboard_interrupt_kills_the_tree():
+    # A kernel interrupt is a SIGINT to the kernel's main thread, which a kernel handles with Python's own handler.
+    # A test runner started as a background job of a non-interactive shell inherits SIGINT *ignored*, and then
+    # interrupt_main() does nothing: install the kernel's handler for this test, however pytest was started.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(8.0, _thread.interrupt_main)  # what a kernel interrupt does to the main thread
     timer.start()
     try:
@@ -133,6 +137,7 @@ def test_keyboard_interrupt_kills_the_tree():
             run(_sleep_forever, 2, timeout_s=120, stream=False)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert isinstance(info.value, KeyboardInterrupt)
     assert info.value.partial.returns == [None, None]
 

@@ -116,3 +116,24 @@ def test_rss_and_formatting():
     assert measure.fmt_bytes(64 * 2 ** 20, binary=True) == "64 MiB"
     assert measure.fmt_flops(2.5e12) == "2.50 TFLOP/s"
     assert measure.fmt_flops(3.14e23, per_s=False) == "314000000.00 PFLOP"
+
+
+def test_cpu_features_predict_what_deepspeed_accepts():
+    """The lessons branch on `cpu_features`: its fp16 answer must be DeepSpeed's own (AMD EPYC: no; Intel Xeon with
+    AVX512-FP16 / AMX-FP16: yes), whatever machine runs the tests."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    f = measure.cpu_features()
+    assert set(f) == {"isa", "bf16", "fp16", "amx"} and isinstance(f["isa"], str)
+    assert bool(CPU_Accelerator().is_fp16_supported()) == f["fp16"]
+
+
+def test_cpu_precision_sentence_follows_the_features(monkeypatch):
+    plain = dict(isa="AVX2", bf16=False, fp16=False, amx=[])
+    xeon = dict(isa="AVX512", bf16=True, fp16=True, amx=["amx_bf16", "amx_fp16", "amx_tile"])
+    monkeypatch.setattr(measure, "cpu_features", lambda: plain)
+    text = measure.describe_cpu_precision()
+    assert "no native bf16 or fp16" in text and "slower" in text and "refuses fp16" in text
+    monkeypatch.setattr(measure, "cpu_features", lambda: xeon)
+    text = measure.describe_cpu_precision()
+    assert "native bf16 and fp16" in text and "amx_bf16" in text and "accepts fp16" in text and "slower" not in text

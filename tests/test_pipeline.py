@@ -14,14 +14,16 @@ import cloudpickle
 import pytest
 import torch
 
+from course_lib import theory
 from course_lib.config import ConfigError
+from course_lib.data import random_batches
 from course_lib.launch import run
+from course_lib.lessons.common import train_reference
+from course_lib.lessons.l03_pipeline_parallel import experiments as pipeline_lab
 from course_lib.model import build_model
-from course_lib.parallel import pipeline_experiments as E
 from course_lib.parallel.pipeline import build_stage, sequential_loss, split_microbatches
-from course_lib.parallel.pipeline_schedules import (bubble_of, check_order, gpipe_order, one_f_one_b_order,
-                                                    peak_in_flight, schedule_orders, simulate, split_stages)
-from course_lib.theory import pipeline as T
+from course_lib.parallel.pipeline_schedules import (bubble_of, gpipe_order, one_f_one_b_order, peak_in_flight,
+                                                    schedule_orders, simulate, split_stages, validate_order)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the rank functions below travel by value
 
@@ -59,41 +61,41 @@ def test_schedule_invariants(p):
         for kind in ("gpipe", "1f1b"):
             orders = schedule_orders(kind, p, m)
             for rank, order in enumerate(orders):
-                check_order(order, m)
-                assert peak_in_flight(order) == T.peak_microbatches_in_flight(kind, p, m, rank)
+                validate_order(order, m)
+                assert peak_in_flight(order) == theory.pipeline.peak_microbatches_in_flight(kind, p, m, rank)
             # ideal timeline with uniform stages: the bubble is exactly (p-1)/(m+p-1), for any t_b / t_f
             for t_b in (1.0, 2.0, 3.0):
                 tl = simulate(orders, t_f=1.0, t_b=t_b)
-                assert bubble_of(tl) == pytest.approx(T.bubble_fraction(p, m), abs=1e-12)
-                assert max(op["end"] for r in tl for op in r) == pytest.approx(T.step_time(p, m, 1.0, t_b))
+                assert bubble_of(tl) == pytest.approx(theory.pipeline.bubble_fraction(p, m), abs=1e-12)
+                assert max(op["end"] for r in tl for op in r) == pytest.approx(theory.pipeline.step_time(p, m, 1.0, t_b))
 
 
 def test_simulate_detects_deadlock():
     bad = [[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]]
     with pytest.raises(ValueError):
-        check_order(bad[0], 1)
+        validate_order(bad[0], 1)
     with pytest.raises(ValueError, match="deadlock"):
         simulate(bad)
 
 
 def test_theory_formulas():
-    assert T.bubble_fraction(4, 12) == pytest.approx(3 / 15)
-    assert T.bubble_ratio(4, 12) == pytest.approx(3 / 12)
-    assert T.interleaved_bubble_fraction(4, 12, 1) == T.bubble_fraction(4, 12)
-    assert T.interleaved_bubble_fraction(4, 12, 2) == pytest.approx(3 / 27)
-    assert T.zero_bubble_idle_time(4, 1, 1, 1) == pytest.approx(T.one_f_one_b_idle_time(4, 1, 1, 1) / 3)
-    assert T.bubble_fraction(1, 5) == 0.0
+    assert theory.pipeline.bubble_fraction(4, 12) == pytest.approx(3 / 15)
+    assert theory.pipeline.bubble_ratio(4, 12) == pytest.approx(3 / 12)
+    assert theory.pipeline.interleaved_bubble_fraction(4, 12, 1) == theory.pipeline.bubble_fraction(4, 12)
+    assert theory.pipeline.interleaved_bubble_fraction(4, 12, 2) == pytest.approx(3 / 27)
+    assert theory.pipeline.zero_bubble_idle_time(4, 1, 1, 1) == pytest.approx(theory.pipeline.one_f_one_b_idle_time(4, 1, 1, 1) / 3)
+    assert theory.pipeline.bubble_fraction(1, 5) == 0.0
 
 
 def test_stages_chained_equal_the_model():
-    cfg = E.pipeline_config(n_layer=4)
-    x, y = E.make_batch(cfg, 4)
+    cfg = pipeline_lab.pipeline_config(n_layer=4)
+    x, y = random_batches(cfg, 4)[0]
     model = build_model(cfg)
     expected = model.loss(x, y)
     for p in (1, 2, 3, 4):
         torch.testing.assert_close(sequential_loss(model, x, y, p), expected, rtol=0, atol=0)
     with pytest.raises(ConfigError, match="tie_embeddings"):
-        build_stage(build_model(E.pipeline_config(tie_embeddings=True)), 0, 2)
+        build_stage(build_model(pipeline_lab.pipeline_config(tie_embeddings=True)), 0, 2)
     with pytest.raises(ValueError, match="multiple of 3"):
         split_microbatches(x, 3)
 
@@ -103,8 +105,8 @@ def test_stages_chained_equal_the_model():
 def _rank_checks(cfg, torch_ms, mem_ms):
     out = {}
     for m in MS:   # a batch of 2m rows: every micro-batch has 2 rows
-        out.update(E.rank_correctness(cfg, 2 * m, [m], torch_ms=[m] if m in torch_ms else ()))
-    out["memory"] = E.rank_memory(cfg, 2, mem_ms)
+        out.update(pipeline_lab.rank_correctness(cfg, 2 * m, [m], torch_ms=[m] if m in torch_ms else ()))
+    out["memory"] = pipeline_lab.rank_memory(cfg, 2, mem_ms)
     return out
 
 
@@ -113,7 +115,7 @@ def _check_against_reference(returns, cfg, p):
     for key in [k for k in returns[0] if k != "memory"]:
         kind, m = key
         if m not in refs:
-            refs[m] = E.reference(cfg, *E.make_batch(cfg, 2 * m))
+            refs[m] = train_reference(cfg, random_batches(cfg, 2 * m), optimizer=None)
         ref = refs[m]
         grads = {}
         for r in returns:
@@ -127,7 +129,7 @@ def _check_against_reference(returns, cfg, p):
                                        msg=lambda s: f"{key} p={p} grad {name}: {s}")
         losses = returns[-1][key]["losses"]
         assert len(losses) == m
-        assert sum(losses) / m == pytest.approx(ref["loss"], rel=1e-6), f"{key} p={p}: loss differs"
+        assert sum(losses) / m == pytest.approx(ref["losses"][0], rel=1e-6), f"{key} p={p}: loss differs"
 
 
 def _check_memory(returns, p, mem_ms):
@@ -142,7 +144,7 @@ def _check_memory(returns, p, mem_ms):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    cfg = E.pipeline_config(n_layer=4)
+    cfg = pipeline_lab.pipeline_config(n_layer=4)
     res = run(_rank_checks, nprocs=2, args=(cfg, (1, 2, 5, 8), (2, 4, 8)), timeout_s=180, stream=False,
               backend="gloo")
     return cfg, res.returns
@@ -150,7 +152,7 @@ def two_ranks():
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    cfg = E.pipeline_config(n_layer=4)
+    cfg = pipeline_lab.pipeline_config(n_layer=4)
     res = run(_rank_checks, nprocs=4, args=(cfg, (4, 7), (4, 8)), timeout_s=240, stream=False,
               backend="gloo")
     return cfg, res.returns

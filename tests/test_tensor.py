@@ -1,5 +1,5 @@
-"""Tests of lesson 04's tensor and sequence parallelism (course_lib/parallel/{tensor,vocab,tensor_model,
-tensor_dtensor,comm_count}.py, course_lib/theory/tensor.py).
+"""Tests of lesson 04's tensor and sequence parallelism (course_lib/parallel/{tensor,sequence,vocab,tensor_model,
+tensor_dtensor}.py, lessons/l04_tensor_parallel, course_lib/theory/tensor.py).
 
 One 4-rank launch covers tp = 2 (groups {0, 1}, {2, 3}) and tp = 4, with and without sequence parallelism:
 logits, loss and gradients vs one process; collectives counted vs the formula; parameter and activation
@@ -14,27 +14,28 @@ import cloudpickle
 import pytest
 import torch
 
+from course_lib import theory
 from course_lib.config import ConfigError
 from course_lib.launch import run
-from course_lib.parallel import tensor_experiments as E
+from course_lib.lessons.l04_tensor_parallel import checks as tp_checks
+from course_lib.lessons.l04_tensor_parallel import experiments as tp_lab
+from course_lib.lessons.l04_tensor_parallel.checks import EXERCISES, check_records
 from course_lib.parallel.tensor import shard
 from course_lib.parallel.tensor_dtensor import permute_qkv_rows
-from course_lib.parallel.tensor_model import check_tensor_parallel
-from course_lib.theory import tensor as TT
+from course_lib.parallel.tensor_model import validate_tensor_parallel
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-CFG = E.small_config()
+CFG = tp_lab.tp_config()
 BATCH = 2
 TPS = (1, 2, 4)
 
 
 def _all_checks(cfg, batch):
-    from course_lib.parallel import tensor_checks as C
-
-    return dict(report=E.rank_tp_report(cfg, batch, TPS), dtensor=E.rank_dtensor_compare(cfg, batch, (2, 4)),
-                exercises=C.rank_check_all(C.reference_impls(), tps=(2, 4)),
-                wrong=C.rank_check_all(C.wrong_impls(), tps=(2,)))
+    return dict(report=tp_lab.rank_tp_report(cfg, batch, TPS),
+                dtensor=tp_lab.rank_dtensor_compare(cfg, batch, (2, 4)),
+                exercises=tp_checks.rank_try_all(tp_checks.reference_impls(), tps=(2, 4)),
+                wrong=tp_checks.rank_try_all(tp_checks.wrong_impls(), tps=(2,)))
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +46,15 @@ def four_ranks():
 # ------------------------------------------------------------------------------ single process
 
 def test_config_validation_names_field_and_fix():
-    check_tensor_parallel(CFG, 4, sequence_parallel=True)
+    validate_tensor_parallel(CFG, 4, sequence_parallel=True)
     with pytest.raises(ConfigError, match=r"tp=3 does not divide n_head=4: pick tp in \{1, 2, 4\}"):
-        check_tensor_parallel(CFG, 3)
+        validate_tensor_parallel(CFG, 3)
     with pytest.raises(ConfigError, match="does not divide d_ff"):
-        check_tensor_parallel(E.small_config(d_ff=100, n_head=8), 8)
+        validate_tensor_parallel(tp_lab.tp_config(d_ff=100, n_head=8), 8)
     with pytest.raises(ConfigError, match="does not divide vocab_size=66"):
-        check_tensor_parallel(E.small_config(vocab_size=66), 4)
+        validate_tensor_parallel(tp_lab.tp_config(vocab_size=66), 4)
     with pytest.raises(ConfigError, match="does not divide seq_len=18"):
-        check_tensor_parallel(E.small_config(seq_len=18), 4, sequence_parallel=True)
+        validate_tensor_parallel(tp_lab.tp_config(seq_len=18), 4, sequence_parallel=True)
 
 
 def test_shard_and_qkv_permutation_agree():
@@ -65,16 +66,16 @@ def test_shard_and_qkv_permutation_agree():
 
 
 def test_theory_tables():
-    assert TT.layer_collectives(CFG, BATCH, 16, 1) == {}
+    assert theory.tensor.layer_collectives(CFG, BATCH, 16, 1) == {}
     s = BATCH * 16 * CFG.d_model * 4
-    assert TT.layer_collectives(CFG, BATCH, 16, 2) == {("forward", "all_reduce"): {"calls": 2, "bytes": 2 * s},
+    assert theory.tensor.layer_collectives(CFG, BATCH, 16, 2) == {("forward", "all_reduce"): {"calls": 2, "bytes": 2 * s},
                                                        ("backward", "all_reduce"): {"calls": 2, "bytes": 2 * s}}
-    tp_table, sp_table = (TT.layer_collectives(CFG, BATCH, 16, 4, sp) for sp in (False, True))
-    fwd = lambda t: TT.bytes_sent_per_rank({k: v for k, v in t.items() if k[0] == "forward"}, 4)  # noqa: E731
+    tp_table, sp_table = (theory.tensor.layer_collectives(CFG, BATCH, 16, 4, sp) for sp in (False, True))
+    fwd = lambda t: theory.tensor.bytes_sent_per_rank({k: v for k, v in t.items() if k[0] == "forward"}, 4)  # noqa: E731
     assert fwd(tp_table) == fwd(sp_table) == 2 * 2 * 3 / 4 * s    # an all-reduce = reduce-scatter + all-gather
     for tp in (1, 2, 4):                                          # SP divides every activation by tp
-        assert TT.activation_bytes_per_layer(CFG, BATCH, 16, tp, True) * tp == TT.activation_bytes_per_layer(CFG, BATCH, 16)
-    assert TT.param_counts_per_rank(CFG, 1)["total"] == CFG.num_params()
+        assert theory.tensor.activation_bytes_per_layer(CFG, BATCH, 16, tp, True) * tp == theory.tensor.activation_bytes_per_layer(CFG, BATCH, 16)
+    assert theory.tensor.param_counts_per_rank(CFG, 1)["total"] == CFG.num_params()
 
 
 # ------------------------------------------------------------------------------ four ranks
@@ -96,10 +97,10 @@ def test_collectives_and_memory_equal_formula(four_ranks, tp, sp):
     for rank, rows in enumerate(four_ranks):
         row = next(r for r in rows["report"] if r["tp"] == tp and r["sp"] == sp)
         comm = {k: v for k, v in row["comm"].items() if k[0] != "grad sync"}
-        assert comm == TT.model_collectives(CFG, BATCH, CFG.seq_len, tp, sp), f"tp={tp} sp={sp} rank {rank}"
-        assert row["layer_comm"] == TT.layer_collectives(CFG, BATCH, CFG.seq_len, tp, sp)
-        assert row["param_bytes"] == TT.param_bytes_per_rank(CFG, tp)
-        assert row["act_bytes"] == TT.activation_bytes_per_layer(CFG, BATCH, CFG.seq_len, tp, sp)
+        assert comm == theory.tensor.model_collectives(CFG, BATCH, CFG.seq_len, tp, sp), f"tp={tp} sp={sp} rank {rank}"
+        assert row["layer_comm"] == theory.tensor.layer_collectives(CFG, BATCH, CFG.seq_len, tp, sp)
+        assert row["param_bytes"] == theory.tensor.param_bytes_per_rank(CFG, tp)
+        assert row["act_bytes"] == theory.tensor.activation_bytes_per_layer(CFG, BATCH, CFG.seq_len, tp, sp)
         assert ("grad sync", "all_reduce") in row["comm"] if sp and tp > 1 else "grad sync" not in str(row["comm"])
 
 
@@ -125,11 +126,9 @@ def test_own_tp_equals_dtensor(four_ranks):
 
 
 def test_exercise_checks_pass_the_reference(four_ranks):
-    from course_lib.parallel.tensor_checks import EXERCISES, assert_records
-
     returns = [r["exercises"] for r in four_ranks]
     for exercise in EXERCISES.values():
-        assert assert_records(returns, exercise) > 4 * 2          # 4 ranks, tp 2 and 4, several checks each
+        assert check_records(returns, exercise) > 4 * 2          # 4 ranks, tp 2 and 4, several checks each
 
 
 WRONG = {  # variant -> words the first failing check's message must contain
@@ -145,11 +144,10 @@ WRONG = {  # variant -> words the first failing check's message must contain
 @pytest.mark.parametrize("variant", list(WRONG))
 def test_wrong_answers_fail_with_a_clear_message(four_ranks, variant):
     from course_lib.grading.check import CheckFailed
-    from course_lib.parallel.tensor_checks import assert_records
 
     records = [[r for r in ranks["wrong"] if r["variant"] == variant] for ranks in four_ranks]
     with pytest.raises(CheckFailed) as info:
-        assert_records(records, records[0][0]["exercise"])
+        check_records(records, records[0][0]["exercise"])
     msg = str(info.value)
     assert "\n" not in msg and "tp=2, rank 0" in msg
     for words in WRONG[variant]:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib.config import PRESETS, get_preset
+from course_lib.config import get_preset
 from course_lib.measure import SavedActivations, count_flops, model_state_bytes
 from course_lib.model import build_model
 from course_lib.theory import comm, flops, memory

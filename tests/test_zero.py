@@ -1,4 +1,4 @@
-"""Tests of lesson 05's ZeRO (course_lib/parallel/zero.py, zero_experiments.py, theory/memory.py).
+"""Tests of lesson 05's ZeRO (course_lib/parallel/zero.py, lessons/common.py's variants, theory/memory.py).
 
 Own ZeRO-1/2/3, PyTorch FSDP2 and DeepSpeed run on gloo ranks and are compared with PyTorch DDP on the same
 data (losses every step, parameters after 10 steps); the model state each rank holds is compared with the
@@ -16,8 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from course_lib.data import random_batches
 from course_lib.launch import run
-from course_lib.parallel import zero_experiments as Z
+from course_lib.lessons.common import VARIANTS, deepspeed_config, small_config, train_variant
+from course_lib.measure import cpu_features
+from course_lib.model import build_model
 from course_lib.parallel.zero import ZeroOptimizer, chunk_numel
 from course_lib.theory.memory import (padded_numel, zero_bytes_per_param, zero_comm_bytes, zero_model_state_bytes,
                                       zero_saving)
@@ -25,7 +28,7 @@ from course_lib.theory.memory import (padded_numel, zero_bytes_per_param, zero_c
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the rank functions below travel by value
 
 STEPS = 10
-CFG = Z.small_config()                       # 2 layers, d_model 32: milliseconds per step
+CFG = small_config()                       # 2 layers, d_model 32: milliseconds per step
 P = CFG.num_params()
 
 
@@ -47,7 +50,7 @@ def _differs(res: dict, ref: dict) -> bool:
 
 def _formula(n: int, stage: int) -> float:
     """fp32 AdamW model state of the course's GPT per rank, torch's step counters included."""
-    n_tensors = len(list(Z.build_model(CFG).parameters()))
+    n_tensors = len(list(build_model(CFG).parameters()))
     return zero_model_state_bytes(P, n, stage, mixed=False, step_counters=n_tensors)["total"]
 
 
@@ -108,12 +111,15 @@ def test_formula_against_deepspeed_estimators():
         assert zero_model_state_bytes(Pb, n, 2, offload="optimizer")["total"] == 2 * Pb + 2 * Pb / n
 
 
-def test_deepspeed_config_refuses_fp16_on_cpu():
-    if torch.cuda.is_available():
-        pytest.skip("fp16 is allowed on a GPU")
-    with pytest.raises(ValueError, match="fp16"):
-        Z.deepspeed_config(2, 4, precision="fp16")
-    c = Z.deepspeed_config(3, 4, offload=True, precision="bf16")
+def test_deepspeed_config_fp16_follows_the_machine():
+    """fp16 is refused exactly where DeepSpeed refuses it: a CPU without native fp16 instructions (AMD EPYC, most
+    laptops); accepted on a GPU and on a CPU with AVX512-FP16 / AMX-FP16 (Intel Xeon Sapphire Rapids and newer)."""
+    if torch.cuda.is_available() or cpu_features()["fp16"]:
+        assert deepspeed_config(2, 4, precision="fp16")["fp16"]["enabled"]
+    else:
+        with pytest.raises(ValueError, match="fp16"):
+            deepspeed_config(2, 4, precision="fp16")
+    c = deepspeed_config(3, 4, offload=True, precision="bf16")
     assert c["zero_optimization"]["offload_param"] == {"device": "cpu"} and c["bf16"]["enabled"]
 
 
@@ -152,23 +158,23 @@ class SummedGradient(ZeroOptimizer):
 
 def _two_rank_checks(cfg, batches):
     one = dist.new_group([0])                    # every rank creates every group
-    out = {m: Z.rank_train(cfg, batches, m) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp2")}
+    out = {m: train_variant(cfg, batches, m) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp2")}
     short = batches[:3]
     fast = dict(measure_live=False)              # runs whose memory is not checked skip the object walk
-    out["sgd-ddp"] = Z.rank_train(cfg, short, "ddp", optimizer="sgd", lr=0.5, **fast)
-    out["sgd-zero2"] = Z.rank_train(cfg, short, "zero2", optimizer="sgd", lr=0.5, **fast)
-    out["wrong-shard"] = Z.rank_train(cfg, short, "zero1", zero_cls=WrongShard, **fast)
-    out["no-all-gather"] = Z.rank_train(cfg, short, "zero2", zero_cls=NoAllGather, **fast)
-    out["summed"] = Z.rank_train(cfg, short, "zero2", zero_cls=SummedGradient, optimizer="sgd", lr=0.5, **fast)
-    out["ddp3"] = Z.rank_train(cfg, short, "ddp", **fast)
+    out["sgd-ddp"] = train_variant(cfg, short, "ddp", optimizer="sgd", lr=0.5, **fast)
+    out["sgd-zero2"] = train_variant(cfg, short, "zero2", optimizer="sgd", lr=0.5, **fast)
+    out["wrong-shard"] = train_variant(cfg, short, "zero1", zero_cls=WrongShard, **fast)
+    out["no-all-gather"] = train_variant(cfg, short, "zero2", zero_cls=NoAllGather, **fast)
+    out["summed"] = train_variant(cfg, short, "zero2", zero_cls=SummedGradient, optimizer="sgd", lr=0.5, **fast)
+    out["ddp3"] = train_variant(cfg, short, "ddp", **fast)
     for stage in (1, 2, 3):
-        out[f"zero{stage}-bf16"] = Z.rank_train(cfg, short, f"zero{stage}-bf16", **fast)
+        out[f"zero{stage}-bf16"] = train_variant(cfg, short, f"zero{stage}-bf16", **fast)
     for m in ("ds1", "ds3"):
-        out[m] = Z.rank_train(cfg, short, m)
+        out[m] = train_variant(cfg, short, m)
     if dist.get_rank() == 0:                     # one rank: the formula's N = 1
-        out["one"] = {m: Z.rank_train(cfg, batches[:2], m, group=one, full_params=False)
+        out["one"] = {m: train_variant(cfg, batches[:2], m, group=one, full_params=False)
                       for m in ("ddp", "zero1", "zero2", "zero3", "fsdp2")}
-    model = Z.build_model(cfg)                   # the parameter count of the blocks, for the stage-3 bytes
+    model = build_model(cfg)                   # the parameter count of the blocks, for the stage-3 bytes
     out["block_numel"] = [p.numel() for b in model.blocks for p in b.parameters()]
     dist.barrier()
     return out
@@ -176,7 +182,7 @@ def _two_rank_checks(cfg, batches):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    batches = Z.make_batches(CFG, 8, STEPS)
+    batches = random_batches(CFG, 8, STEPS)
     res = run(_two_rank_checks, 2, args=(CFG, batches), timeout_s=240, stream=False, backend="gloo")
     return res.returns
 
@@ -208,7 +214,7 @@ def test_deepspeed_equals_ddp(two_ranks):
 def test_collective_bytes_exact(two_ranks):
     out = two_ranks[0]
     Pp = out["zero1"]["padded_numel"]
-    assert Pp == padded_numel([p.numel() for p in Z.build_model(CFG).parameters()], 2)
+    assert Pp == padded_numel([p.numel() for p in build_model(CFG).parameters()], 2)
     for stage in (1, 2):
         assert out[f"zero{stage}"]["comm"] == {"reduce_scatter": STEPS * 4 * Pp, "all_gather": STEPS * 4 * Pp}
     blocks = padded_numel(out["block_numel"], 2)  # blocks are gathered twice (forward, backward), the root once
@@ -220,21 +226,21 @@ def test_collective_bytes_exact(two_ranks):
 # ------------------------------------------------------------------------------ 1, 2 and 4 ranks
 
 def _four_rank_checks(cfg, batches):
-    return {m: Z.rank_train(cfg, batches, m) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp2")}
+    return {m: train_variant(cfg, batches, m) for m in ("ddp", "zero1", "zero2", "zero3", "fsdp2")}
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    batches = Z.make_batches(CFG, 8, 2)
+    batches = random_batches(CFG, 8, 2)
     res = run(_four_rank_checks, 4, args=(CFG, batches), timeout_s=240, stream=False, backend="gloo")
     return res.returns
 
 
-STAGE_OF = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}
+MEMORY_CHECKED = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 
 
 def _check_memory(res: dict, n: int, mode: str, rank: int):
-    predicted = _formula(n, STAGE_OF[mode])
+    predicted = _formula(n, VARIANTS[mode].stage)
     measured = res["state"]["total"]
     assert abs(measured - predicted) <= 0.02 * predicted, \
         f"{mode} on {n} ranks, rank {rank}: measured {measured} B vs formula {predicted:.0f} B"
@@ -242,7 +248,7 @@ def _check_memory(res: dict, n: int, mode: str, rank: int):
 
 
 def test_memory_within_2_percent_of_formula(two_ranks, four_ranks):
-    for mode in STAGE_OF:
+    for mode in MEMORY_CHECKED:
         _check_memory(two_ranks[0]["one"][mode], 1, mode, 0)
         for rank in range(2):
             _check_memory(two_ranks[rank][mode], 2, mode, rank)
@@ -252,7 +258,7 @@ def test_memory_within_2_percent_of_formula(two_ranks, four_ranks):
 
 def test_mixed_precision_memory_is_the_16_bytes_rule_sharded(two_ranks):
     """A bf16 model with fp32 master chunks: 4P + 12P/N, 2P + 14P/N, 16P/N, measured."""
-    T = len(list(Z.build_model(CFG).parameters()))
+    T = len(list(build_model(CFG).parameters()))
     for rank, out in enumerate(two_ranks):
         for stage in (1, 2, 3):
             res = out[f"zero{stage}-bf16"]

@@ -149,7 +149,7 @@ def score(nb, record: dict) -> list[dict]:
 def _status(tests: list[dict], student_cells: list[dict]) -> str:
     for cell in student_cells:  # the student's own cells for this exercise
         if cell["status"] == "timeout":
-            return f"timeout: your code cell ran longer than the per-cell limit"
+            return "timeout: your code cell ran longer than the per-cell limit"
         if cell["status"] == "died":
             return "kernel died (in your code cell: sys.exit/os._exit/crash?)"
     for t in tests:

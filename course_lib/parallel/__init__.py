@@ -1,0 +1,18 @@
+"""The techniques of the course, one per file, each applied to a plain `course_lib.model.GPT`.
+
+    collectives.py         ring all-reduce from send/recv, bytes counted                     lesson 02
+    ddp.py                 naive gradient averaging, bucketed DDP overlapped with backward   lesson 02
+    pipeline_schedules.py  naive, GPipe and 1F1B orders as pure functions; the bubble        lesson 03
+    pipeline.py            a GPT split into stages, point-to-point messages, a schedule run  lesson 03
+    tensor.py              column/row-parallel linear, f and g, parallel MLP and attention   lesson 04
+    sequence.py            sequence parallelism: collectives along the sequence              lesson 04
+    vocab.py               vocab-parallel embedding and cross-entropy                        lesson 04
+    tensor_model.py        apply_tensor_parallel: a whole GPT tensor (+ sequence) parallel   lesson 04
+    tensor_dtensor.py      the same with PyTorch DTensor's parallelize_module                lesson 04
+    zero.py                ZeRO stages 1-3 (apply_zero / ZeroOptimizer)                      lesson 05
+    precision.py           number formats, dynamic loss scaling, fp32 master weights         lesson 06
+    checkpointing.py       activation checkpointing, full and selective                      lesson 07
+
+Nothing here imports `course_lib.lessons` or `course_lib.grading`: the lessons' experiments, graded checks and
+reports live in `course_lib.lessons`, one folder per lesson.
+"""

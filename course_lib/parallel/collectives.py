@@ -23,8 +23,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-__all__ = ["ByteCounter", "chunk_sizes", "ring_all_reduce", "ring_bytes_sent", "ring_bytes_formula",
-           "rank_ring_vs_all_reduce"]
+__all__ = ["ByteCounter", "chunk_sizes", "ring_all_reduce", "ring_bytes_sent", "ring_bytes_formula"]
 
 
 @dataclasses.dataclass
@@ -115,37 +114,3 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, counter: ByteCounter | Non
     if work is not tensor:                       # a non-contiguous input was worked on in a copy
         tensor.copy_(work)
     return tensor
-
-
-def rank_ring_vs_all_reduce(sizes_bytes, repeats: int = 5, warmup: int = 2) -> list[dict]:
-    """Runs on every rank: median time of `ring_all_reduce` and of `dist.all_reduce` for fp32 tensors of
-    each size, interleaved in one run (lesson 02). Returns [{'bytes', 'ring_s', 'library_s',
-    'ring_bytes_sent'}] as seen by this rank."""
-    import statistics
-    import time
-
-    from course_lib import dist as cdist
-
-    dev = cdist.device()
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    out = []
-    for nbytes in sizes_bytes:
-        t = torch.randn(max(1, int(nbytes) // 4), device=dev)
-        times = {"ring": [], "library": []}
-        counter = ByteCounter()
-        for i in range(warmup + repeats):
-            for name in (("ring", "library") if i % 2 else ("library", "ring")):
-                dist.barrier()
-                sync()
-                t0 = time.perf_counter()
-                if name == "ring":
-                    ring_all_reduce(t, counter=counter if i == 0 else None)
-                else:
-                    dist.all_reduce(t)
-                sync()
-                if i >= warmup:
-                    times[name].append(time.perf_counter() - t0)
-            t.div_(dist.get_world_size() ** 2)      # keep the values bounded
-        out.append({"bytes": t.numel() * 4, "ring_s": statistics.median(times["ring"]),
-                    "library_s": statistics.median(times["library"]), "ring_bytes_sent": counter.bytes_sent})
-    return out

@@ -23,18 +23,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from course_lib import measure
 from course_lib.config import ConfigError
-from course_lib.parallel.pipeline_schedules import check_order, split_stages
+from course_lib.model import lm_loss
+from course_lib.parallel.pipeline_schedules import split_stages, validate_order
 
-__all__ = ["Stage", "build_stage", "P2P", "run_schedule", "split_microbatches", "lm_loss", "sequential_loss"]
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy: logits (b, T, V), targets (b, T) -> scalar (same as GPT.loss)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())   # (b*T, V) vs (b*T,)
+__all__ = ["Stage", "build_stage", "P2P", "run_schedule", "split_microbatches", "sequential_loss"]
 
 
 class Stage(nn.Module):
@@ -149,9 +144,8 @@ def run_schedule(stage: Stage, order: list, x_mbs: list[torch.Tensor], y_mbs: li
     at the peak), ``act_per_mb`` (bytes per micro-batch), ``bytes_sent``.
     """
     m = len(x_mbs)
-    check_order(order, m)
+    validate_order(order, m)
     device = next(stage.parameters()).device
-    p = comm.p if comm is not None else 1
     b, T = x_mbs[0].shape
     shape = hidden_shape or (b, T, stage.d_model)   # what travels between stages: (b, T, C)
     held: dict[int, tuple] = {}                # mb -> (input, output or loss): what backward needs

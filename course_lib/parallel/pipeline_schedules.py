@@ -18,7 +18,7 @@ a pure function makes it easy to test, to simulate and to draw.
 from __future__ import annotations
 
 __all__ = ["split_stages", "gpipe_order", "one_f_one_b_order", "naive_order", "schedule_orders",
-           "simulate", "bubble_of", "peak_in_flight", "check_order"]
+           "simulate", "bubble_of", "peak_in_flight", "validate_order"]
 
 Op = tuple[str, int]
 
@@ -43,7 +43,7 @@ def split_stages(n_layers: int, p: int) -> list[tuple[int, int]]:
 def gpipe_order(p: int, m: int, rank: int) -> list[Op]:
     """GPipe: forward every micro-batch, then backward every micro-batch (in the same order, as torch's
     ``ScheduleGPipe`` does). Every rank holds the activations of all m micro-batches at the peak."""
-    _check(p, m, rank)
+    _validate(p, m, rank)
     return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
 
 
@@ -60,7 +60,7 @@ def one_f_one_b_order(p: int, m: int, rank: int) -> list[Op]:
     steady:    m - w pairs (forward of the next micro-batch, backward of the oldest one)
     cool-down: the w backwards still owed.
     """
-    _check(p, m, rank)
+    _validate(p, m, rank)
     w = min(p - rank - 1, m)
     ops: list[Op] = [("F", i) for i in range(w)]
     for i in range(m - w):
@@ -80,12 +80,12 @@ def schedule_orders(kind: str, p: int, m: int) -> list[list[Op]]:
     raise ValueError(f"unknown schedule {kind!r}: pick 'naive', 'gpipe' or '1f1b'")
 
 
-def _check(p: int, m: int, rank: int) -> None:
+def _validate(p: int, m: int, rank: int) -> None:
     if p < 1 or m < 1 or not 0 <= rank < p:
         raise ValueError(f"need p >= 1, m >= 1 and 0 <= rank < p; got p={p}, m={m}, rank={rank}")
 
 
-def check_order(ops: list[Op], m: int) -> None:
+def validate_order(ops: list[Op], m: int) -> None:
     """Raise ValueError unless `ops` runs F and B of each of the m micro-batches exactly once, F before B."""
     seen_f, seen_b = set(), set()
     for kind, i in ops:

@@ -23,7 +23,7 @@ __all__ = ["all_gather_sequence", "reduce_scatter_sequence", "gather_from_sequen
            "SequenceParallelLinear"]
 
 
-def _check_seq(T: int, tp: int) -> None:
+def _validate_seq(T: int, tp: int) -> None:
     if T % tp:
         raise ValueError(f"sequence parallelism splits the sequence across the tp={tp} ranks: sequence length "
                          f"T={T} is not divisible by tp={tp}; use T in multiples of {tp}")
@@ -43,7 +43,7 @@ def all_gather_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
 def reduce_scatter_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
     """(B, T, C) partial sums on every rank -> (B, T/t, C): rank r gets the sum of sequence shard r."""
     tp = dist.get_world_size(group)
-    _check_seq(x.shape[1], tp)
+    _validate_seq(x.shape[1], tp)
     if tp == 1:
         return x
     xs = x.transpose(0, 1).contiguous()                              # (T, B, C)

@@ -32,10 +32,10 @@ from course_lib.config import ConfigError, ModelConfig
 from course_lib.parallel.tensor import ColumnParallelLinear, ParallelAttention, ParallelMLP
 from course_lib.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__all__ = ["check_tensor_parallel", "apply_tensor_parallel", "tensor_parallel_blocks", "TensorParallelGPT", "shard_like", "local_param_bytes"]
+__all__ = ["validate_tensor_parallel", "apply_tensor_parallel", "tensor_parallel_blocks", "TensorParallelGPT", "shard_like", "local_param_bytes"]
 
 
-def check_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int | None = None,
+def validate_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int | None = None,
                           sequence_parallel: bool = False) -> None:
     """Raise ConfigError when tp cannot split cfg: it must divide n_head, d_ff and vocab_size (and the
     sequence length with sequence parallelism). E.g. "tp=3 does not divide n_head=4: pick tp in {1, 2, 4}"."""
@@ -70,7 +70,7 @@ class TensorParallelGPT(nn.Module):
         super().__init__()
         cfg = model.cfg
         self.group, self.tp, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
-        check_tensor_parallel(cfg, self.tp, sequence_parallel=sequence_parallel)
+        validate_tensor_parallel(cfg, self.tp, sequence_parallel=sequence_parallel)
         if not cfg.tie_embeddings:
             raise ConfigError("apply_tensor_parallel expects tie_embeddings=True (the head shares the vocab shard)")
         self.cfg, self.sequence_parallel = cfg, sequence_parallel

@@ -22,7 +22,7 @@ On a bf16/fp16 model (``model.to(torch.bfloat16)``) the optimizer steps fp32 mas
 gradient shards stay 16-bit: the measured state is the mixed-precision formula, 16P bytes sharded as ZeRO says.
 
 Every collective's payload is counted (``zero.bytes``): all-gather = its output, reduce-scatter = its input,
-as in `course_lib.parallel.comm_count`. A rank sends (N-1)/N of each payload over a ring.
+as in `course_lib.measure.CollectiveCounter`. A rank sends (N-1)/N of each payload over a ring.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course_lib.measure import _unique_bytes
+from course_lib.measure import unique_bytes
 
 __all__ = ["ZeroOptimizer", "apply_zero", "all_gather_flat", "reduce_scatter_flat", "chunk_numel", "fill_param",
            "free_param"]
@@ -293,10 +293,10 @@ class ZeroOptimizer:
         dict(params=, grads=, optimizer=, total=), like `course_lib.measure.model_state_bytes`; with mixed
         precision ``optimizer`` includes the fp32 master chunks (the formula's K = 12)."""
         seen: set = set()
-        p_bytes = _unique_bytes(list(self.params) + list(self.views), seen)
-        g_bytes = _unique_bytes([p.grad for p in self.params] + [c.grad for c in self.chunks] + self.grad_shards, seen)
-        o_bytes = _unique_bytes(self.chunks, seen)      # fp32 master chunks (mixed precision only; else seen)
-        o_bytes += sum(_unique_bytes([v], seen) for s in self.optimizer.state.values() for v in s.values()
+        p_bytes = unique_bytes(list(self.params) + list(self.views), seen)
+        g_bytes = unique_bytes([p.grad for p in self.params] + [c.grad for c in self.chunks] + self.grad_shards, seen)
+        o_bytes = unique_bytes(self.chunks, seen)      # fp32 master chunks (mixed precision only; else seen)
+        o_bytes += sum(unique_bytes([v], seen) for s in self.optimizer.state.values() for v in s.values()
                        if isinstance(v, torch.Tensor))
         return dict(params=p_bytes, grads=g_bytes, optimizer=o_bytes, total=p_bytes + g_bytes + o_bytes)
 

@@ -1,13 +1,19 @@
 """Closed-form formulas that the lessons put next to measurements (lesson 01 onwards).
 
 - :mod:`course_lib.theory.flops`: FLOPs per token of a GPT (6N + attention), training FLOPs, MFU inputs.
-- :mod:`course_lib.theory.memory`: bytes of parameters, gradients, optimizer state and activations.
+- :mod:`course_lib.theory.memory`: bytes of parameters, gradients, optimizer state and activations; ZeRO's
+  per-rank model state and the per-rank memory calculator (lessons 01, 05).
 - :mod:`course_lib.theory.comm`: nccl-tests bus bandwidth, the alpha-beta (latency + size/bandwidth)
   model of a collective and its least-squares fit.
+- :mod:`course_lib.theory.pipeline`: the pipeline bubble and the activation memory of GPipe and 1F1B (lesson 03).
+- :mod:`course_lib.theory.tensor`: collectives, parameters and activations per rank under tensor and sequence
+  parallelism (lesson 04).
+- :mod:`course_lib.theory.savers`: activation checkpointing, accumulation and attention memory (lesson 07).
 
-Every formula is checked against a measurement in tests/test_theory.py and tests/test_bottlenecks.py.
+Every formula is checked against a measurement in the tests. ``from course_lib import theory`` gives them all:
+``theory.memory.zero_model_state_bytes(...)``.
 """
 
-from course_lib.theory import comm, flops, memory
+from course_lib.theory import comm, flops, memory, pipeline, savers, tensor
 
-__all__ = ["comm", "flops", "memory"]
+__all__ = ["comm", "flops", "memory", "pipeline", "savers", "tensor"]

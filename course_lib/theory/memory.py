@@ -173,6 +173,17 @@ def zero_saving(stage: int, world_size: int, mixed: bool = True) -> float:
     return 1 - zero_bytes_per_param(stage, world_size, mixed) / zero_bytes_per_param(0, world_size, mixed)
 
 
+def per_rank_bytes(cfg: ModelConfig, world_size: int, stage: int, offload: str | None = None, mixed: bool = True,
+                   micro_batch: int = 1) -> dict:
+    """Per-rank bytes by formula of training `cfg` with ZeRO `stage` on `world_size` ranks (lesson 05's calculator):
+    params / grads / optimizer (on the device), cpu (offloaded), activations (one micro-batch, not sharded by
+    ZeRO), device_total, and the number of parameter tensors."""
+    s = zero_model_state_bytes(cfg.num_params(), world_size, stage, mixed, offload)
+    act = activation_bytes(cfg, micro_batch, dtype="bf16" if mixed else "fp32")["total"]
+    return dict(params=s["params"], grads=s["grads"], optimizer=s["optimizer"], activations=act, cpu=s["cpu"],
+                device_total=s["total"] + act, num_param_tensors=num_param_tensors(cfg))
+
+
 def padded_numel(sizes, world_size: int) -> int:
     """Parameters after padding every tensor to a multiple of N (how the course's ZeRO and FSDP2 shard)."""
     return sum(-(-n // world_size) * world_size for n in sizes)

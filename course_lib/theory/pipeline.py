@@ -23,26 +23,26 @@ __all__ = ["bubble_fraction", "bubble_ratio", "interleaved_bubble_fraction", "ze
            "one_f_one_b_idle_time", "peak_microbatches_in_flight", "step_time"]
 
 
-def _check(p: int, m: int) -> None:
+def _validate(p: int, m: int) -> None:
     if p < 1 or m < 1:
         raise ValueError(f"need p >= 1 stages and m >= 1 micro-batches; got p={p}, m={m}")
 
 
 def bubble_fraction(p: int, m: int) -> float:
     """Fraction of a GPipe / 1F1B step that a rank is idle: (p - 1) / (m + p - 1)."""
-    _check(p, m)
+    _validate(p, m)
     return (p - 1) / (m + p - 1)
 
 
 def bubble_ratio(p: int, m: int) -> float:
     """Bubble time over ideal compute time, as Megatron-LM writes it: (p - 1) / m."""
-    _check(p, m)
+    _validate(p, m)
     return (p - 1) / m
 
 
 def interleaved_bubble_fraction(p: int, m: int, v: int) -> float:
     """Interleaved 1F1B with v model chunks per rank: (p - 1) / (v m + p - 1) of the step is idle."""
-    _check(p, m)
+    _validate(p, m)
     if v < 1:
         raise ValueError(f"v={v} model chunks per rank must be >= 1")
     return (p - 1) / (v * m + p - 1)
@@ -50,7 +50,7 @@ def interleaved_bubble_fraction(p: int, m: int, v: int) -> float:
 
 def step_time(p: int, m: int, t_f: float, t_b: float) -> float:
     """Duration of a GPipe / 1F1B step with uniform stages and free communication: (m + p - 1)(t_f + t_b)."""
-    _check(p, m)
+    _validate(p, m)
     return (m + p - 1) * (t_f + t_b)
 
 
@@ -66,7 +66,7 @@ def zero_bubble_idle_time(p: int, t_f: float, t_b: float, t_w: float) -> float:
 
 def peak_microbatches_in_flight(schedule: str, p: int, m: int, rank: int = 0) -> int:
     """Micro-batches whose activations rank `rank` holds at its peak: m (GPipe) or min(p - rank, m) (1F1B)."""
-    _check(p, m)
+    _validate(p, m)
     if schedule == "gpipe":
         return m
     if schedule == "1f1b":

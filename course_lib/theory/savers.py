@@ -30,11 +30,12 @@ import math
 import torch
 
 from course_lib.config import ModelConfig
-from course_lib.theory.memory import activation_bytes, dtype_bytes, num_param_tensors, training_memory_bytes
+from course_lib.theory.memory import (activation_bytes, dtype_bytes, num_param_tensors, per_rank_bytes,
+                                      training_memory_bytes)
 
 __all__ = ["attention_saved_bytes", "model_activation_bytes", "checkpointed_activation_bytes",
            "selective_layer_bytes", "best_checkpoint_every", "recompute_flops", "recompute_flops_ratio", "plan_bytes",
-           "fit_budget"]
+           "planner_bytes", "fit_budget"]
 
 
 def attention_saved_bytes(batch: int, n_head: int, seq_len: int, head_dim: int, kind: str = "naive",
@@ -159,6 +160,20 @@ def plan_bytes(cfg: ModelConfig, micro_batch: int, every: int | None = None, off
     device_state = state["total"] - (state["optimizer"] if offload == "optimizer" else 0)
     act = checkpointed_activation_bytes(cfg, micro_batch, seq_len, every)["peak"]
     return dict(state=device_state, activations=act, cpu=state["total"] - device_state, total=device_state + act)
+
+
+def planner_bytes(cfg: ModelConfig, world_size: int = 1, stage: int = 0, offload: str | None = None,
+                  mixed: bool = True, micro_batch: int = 1, every: int | None = None,
+                  global_batch: int | None = None) -> dict:
+    """Lesson 05's `per_rank_bytes` with the activations of one micro-batch under checkpointing every ``every``
+    blocks (the backward's peak); ``accum_steps`` = global batch / (micro-batch x ranks) (lesson 07's planner)."""
+    out = dict(per_rank_bytes(cfg, world_size, stage, offload, mixed, micro_batch))
+    act = checkpointed_activation_bytes(cfg, micro_batch, every=every, dtype="bf16" if mixed else "fp32")["peak"]
+    out["device_total"] += act - out["activations"]
+    out["activations"] = act
+    gb = global_batch or micro_batch * world_size
+    out["accum_steps"] = max(1, gb // (micro_batch * world_size))
+    return out
 
 
 def fit_budget(budget_bytes: float, candidates, global_batch: int, everys=(None, 1, 2, 4),

@@ -1,6 +1,6 @@
-"""Rank-side harness for the graded exercises of lesson 04 (solutions/04_tensor_parallel.ipynb).
+"""What the graded exercises of lesson 04 call (solutions/04_tensor_parallel.ipynb): a rank-side harness.
 
-The learner writes, with the signatures below, and the test cells pass them to `rank_check_all` on gloo ranks:
+The learner writes, with the signatures below, and the test cells pass them to `rank_try_all` on gloo ranks:
 
     ColumnParallel(full: nn.Linear, group=None)    weight (out/t, in) = rows of full.weight, bias (out/t)
     RowParallel(full: nn.Linear, group=None)       weight (out, in/t) = columns of full.weight, bias (out) whole
@@ -10,7 +10,7 @@ The learner writes, with the signatures below, and the test cells pass them to `
 Every check compares with the full layer on one process (each rank computes it itself) and counts the
 collectives forward and backward (`CollectiveCounter`), so a missing all-reduce, an all-reduce in the wrong
 direction or a wrong shard fails with a one-line message that says which. All checks of several exercises
-run in one launch: each rank returns a list of records, and `assert_records` turns them into `check_*` calls.
+run in one launch: each rank returns a list of records, and `check_records` turns them into `check_*` calls.
 A failure inside one exercise is recorded, and the others still run.
 """
 
@@ -21,21 +21,19 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course_lib.config import ModelConfig
+from course_lib.model import MLP
 from course_lib import dist as cdist
-from course_lib.parallel.comm_count import CollectiveCounter
-from course_lib.parallel.tensor_experiments import tp_group
+from course_lib.grading.check import check_close, check_equal
+from course_lib.lessons.common import relative_error
+from course_lib.lessons.l04_tensor_parallel.experiments import tp_group
+from course_lib.measure import CollectiveCounter
 
-__all__ = ["rank_check_all", "assert_records", "reference_impls", "wrong_impls", "EXERCISES"]
+__all__ = ["rank_try_all", "check_records", "reference_impls", "wrong_impls", "EXERCISES"]
 
 EXERCISES = {"column": "04-column-parallel", "row": "04-row-parallel", "mlp": "04-parallel-mlp",
              "vocab_ce": "04-vocab-ce"}
 B, T, IN, OUT, V = 2, 4, 12, 16, 32     # in != out, so a shard along the wrong dimension has the wrong shape
-
-
-def _rel(a: torch.Tensor, e: torch.Tensor) -> float:
-    if a is None or tuple(a.shape) != tuple(e.shape):
-        return float("inf")
-    return float((a.double() - e.double()).norm() / e.double().norm().clamp_min(1e-30))
 
 
 def _calls(counter: CollectiveCounter, phase: str) -> dict:
@@ -67,7 +65,7 @@ def _counted_step(layer, x, w):
     return y, counter
 
 
-def _check_column(cls, rec, group, dev):
+def _try_column(cls, rec, group, dev):
     tp, r = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(0)
     full = nn.Linear(IN, OUT).to(dev)
@@ -80,7 +78,7 @@ def _check_column(cls, rec, group, dev):
     rec.add("equal", "shape of the weight shard", list(layer.weight.shape), [n, IN],
             "a column-parallel layer splits the OUTPUT features: rank r keeps rows r*out/t..(r+1)*out/t of weight (dim 0)")
     rec.add("close", "weight shard = this rank's rows of the full weight (relative error)",
-            _rel(layer.weight.detach(), full.weight.detach()[rows]), 0.0, "rows r*out/t..(r+1)*out/t, in rank order")
+            relative_error(layer.weight.detach(), full.weight.detach()[rows]), 0.0, "rows r*out/t..(r+1)*out/t, in rank order")
     xl = x.clone().requires_grad_()
     y, counter = _counted_step(layer, xl, w[..., rows])
     rec.add("equal", "collectives in forward", _calls(counter, "forward"), {},
@@ -88,14 +86,14 @@ def _check_column(cls, rec, group, dev):
     rec.add("equal", "collectives in backward", _calls(counter, "backward"), {"all_reduce": 1},
             "f's backward must all-reduce the input gradient: each rank holds only its output columns' part")
     rec.add("close", "output = this rank's columns of the full output (relative error)",
-            _rel(y.detach(), full(x).detach()[..., rows]), 0.0, "y = F.linear(f(x), weight_shard, bias_shard)")
-    rec.add("close", "input gradient = one process's (relative error)", _rel(xl.grad, xr.grad), 0.0,
+            relative_error(y.detach(), full(x).detach()[..., rows]), 0.0, "y = F.linear(f(x), weight_shard, bias_shard)")
+    rec.add("close", "input gradient = one process's (relative error)", relative_error(xl.grad, xr.grad), 0.0,
             "f's backward sums the partial input gradients of all ranks (dist.all_reduce)")
     rec.add("close", "weight gradient = this rank's rows of one process's (relative error)",
-            _rel(layer.weight.grad, full.weight.grad[rows]), 0.0, "slice weight and bias along dim 0")
+            relative_error(layer.weight.grad, full.weight.grad[rows]), 0.0, "slice weight and bias along dim 0")
 
 
-def _check_row(cls, rec, group, dev):
+def _try_row(cls, rec, group, dev):
     tp, r = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(0)
     full = nn.Linear(OUT, IN).to(dev)                                   # 16 -> 12
@@ -108,27 +106,24 @@ def _check_row(cls, rec, group, dev):
     rec.add("equal", "shape of the weight shard", list(layer.weight.shape), [IN, n],
             "a row-parallel layer splits the INPUT features: rank r keeps columns r*in/t..(r+1)*in/t of weight (dim 1)")
     rec.add("close", "weight shard = this rank's columns of the full weight (relative error)",
-            _rel(layer.weight.detach(), full.weight.detach()[:, cols]), 0.0, "columns r*in/t..(r+1)*in/t")
+            relative_error(layer.weight.detach(), full.weight.detach()[:, cols]), 0.0, "columns r*in/t..(r+1)*in/t")
     xl = x[..., cols].clone().requires_grad_()                          # this rank's input features
     y, counter = _counted_step(layer, xl, w)
     rec.add("equal", "collectives in forward", _calls(counter, "forward"), {"all_reduce": 1},
             "g all-reduces the partial outputs in forward (each rank computed x_r W_r^T, a partial sum)")
     rec.add("equal", "collectives in backward", _calls(counter, "backward"), {},
             "g is the identity in backward: the output gradient is already the same on every rank")
-    rec.add("close", "output = one process's full output (relative error)", _rel(y.detach(), full(x).detach()), 0.0,
+    rec.add("close", "output = one process's full output (relative error)", relative_error(y.detach(), full(x).detach()), 0.0,
             "sum the partial outputs with g, then add the bias once (after the sum, not on every rank)")
     rec.add("close", "input gradient = this rank's columns of one process's (relative error)",
-            _rel(xl.grad, xr.grad[..., cols]), 0.0, "no communication in backward: g's backward returns grad unchanged")
+            relative_error(xl.grad, xr.grad[..., cols]), 0.0, "no communication in backward: g's backward returns grad unchanged")
     rec.add("close", "weight gradient = this rank's columns of one process's (relative error)",
-            _rel(layer.weight.grad, full.weight.grad[:, cols]), 0.0, "slice the weight along dim 1")
+            relative_error(layer.weight.grad, full.weight.grad[:, cols]), 0.0, "slice the weight along dim 1")
     rec.add("close", "bias gradient = one process's (relative error)",
-            _rel(layer.bias.grad, full.bias.grad), 0.0, "the bias is whole on every rank and added after the sum")
+            relative_error(layer.bias.grad, full.bias.grad), 0.0, "the bias is whole on every rank and added after the sum")
 
 
-def _check_mlp(cls, rec, group, dev):
-    from course_lib.config import ModelConfig
-    from course_lib.model import MLP
-
+def _try_mlp(cls, rec, group, dev):
     tp, r = dist.get_world_size(group), dist.get_rank(group)
     cfg = ModelConfig(vocab_size=32, seq_len=T, n_layer=1, n_head=4, d_model=8, d_ff=16)
     torch.manual_seed(0)
@@ -149,18 +144,18 @@ def _check_mlp(cls, rec, group, dev):
             "column then row: the only forward all-reduce is g's, after proj; GELU needs no communication")
     rec.add("equal", "collectives in backward", _calls(counter, "backward"), {"all_reduce": 1},
             "the only backward all-reduce is f's, before fc")
-    rec.add("close", "output = one process's MLP (relative error)", _rel(y.detach(), full(x).detach()), 0.0,
+    rec.add("close", "output = one process's MLP (relative error)", relative_error(y.detach(), full(x).detach()), 0.0,
             "fc column-parallel, GELU (approximate='tanh') on the local F/t features, proj row-parallel")
-    rec.add("close", "input gradient = one process's (relative error)", _rel(xl.grad, xr.grad), 0.0,
+    rec.add("close", "input gradient = one process's (relative error)", relative_error(xl.grad, xr.grad), 0.0,
             "fc must be column-parallel (f before it), proj row-parallel (g after it)")
     rec.add("close", "fc weight gradient = this rank's rows (relative error)",
-            _rel(layer.fc.weight.grad, full.fc.weight.grad[r * n:(r + 1) * n]), 0.0, "self.fc = ColumnParallel(mlp.fc)")
+            relative_error(layer.fc.weight.grad, full.fc.weight.grad[r * n:(r + 1) * n]), 0.0, "self.fc = ColumnParallel(mlp.fc)")
     rec.add("close", "proj weight gradient = this rank's columns (relative error)",
-            _rel(layer.proj.weight.grad, full.proj.weight.grad[:, r * n:(r + 1) * n]), 0.0,
+            relative_error(layer.proj.weight.grad, full.proj.weight.grad[:, r * n:(r + 1) * n]), 0.0,
             "self.proj = RowParallel(mlp.proj)")
 
 
-def _check_vocab_ce(fn, rec, group, dev):
+def _try_vocab_ce(fn, rec, group, dev):
     tp, r = dist.get_world_size(group), dist.get_rank(group)
     logits = _inputs((B, T, V), 7, dev) * 3
     targets = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(8)).to(dev)
@@ -179,7 +174,7 @@ def _check_vocab_ce(fn, rec, group, dev):
     rec.add("close", "loss = F.cross_entropy of the full logits", float(loss), float(ref), "log(sum over ALL ranks of "
             "exp(z - max)) - (z_target - max); the target logit lives on one rank only (the others add 0)", tol=1e-5)
     rec.add("close", "gradient of the local logits = this rank's columns of one process's (relative error)",
-            _rel(local.grad, full.grad[..., cols]), 0.0,
+            relative_error(local.grad, full.grad[..., cols]), 0.0,
             "sum exp and the target logit with reduce_from_tp (identity backward); subtract the max detached")
     moved = counter.bytes()
     rec.add("equal", "no rank gathers the full logits (bytes communicated < the local logits' size)",
@@ -187,13 +182,13 @@ def _check_vocab_ce(fn, rec, group, dev):
             "communicate (B, T) numbers (max, sum of exponentials, target logit), never (B, T, V) logits")
 
 
-_CHECKS = {"column": _check_column, "row": _check_row, "mlp": _check_mlp, "vocab_ce": _check_vocab_ce}
+_TRIALS = {"column": _try_column, "row": _try_row, "mlp": _try_mlp, "vocab_ce": _try_vocab_ce}
 
 
-def rank_check_all(impls: dict, tps=(2, 4)) -> list[dict]:
+def rank_try_all(impls: dict, tps=(2, 4)) -> list[dict]:
     """Run the checks of every exercise in `impls` ({"column": cls, "row": cls, "mlp": cls, "vocab_ce": fn};
     a key may carry a label, "column/missing all-reduce", to check several answers to one exercise)
-    for each tp (groups of tp consecutive ranks); returns this rank's records (see `assert_records`)."""
+    for each tp (groups of tp consecutive ranks); returns this rank's records (see `check_records`)."""
     dev = cdist.device()
     records = []
     for tp in tps:
@@ -202,7 +197,7 @@ def rank_check_all(impls: dict, tps=(2, 4)) -> list[dict]:
             kind, _, variant = key.partition("/")           # "column" or "column/a label" (tests of wrong answers)
             rec = _Records(EXERCISES[kind], tp, variant)
             try:
-                _CHECKS[kind](impl, rec, group, dev)
+                _TRIALS[kind](impl, rec, group, dev)
             except Exception as exc:  # noqa: BLE001 - a learner's error becomes a failed check, not a crash
                 msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
                 rec.add("equal", f"runs without error ({msg})", False, True,
@@ -211,11 +206,9 @@ def rank_check_all(impls: dict, tps=(2, 4)) -> list[dict]:
     return records
 
 
-def assert_records(returns: list, exercise: str, tps=None) -> int:
+def check_records(returns: list, exercise: str, tps=None) -> int:
     """Turn the records of every rank for `exercise` into check_* calls (the first failure raises
     `CheckFailed` with a one-line message). Returns the number of checks that passed."""
-    from course_lib.grading.check import check_close, check_equal
-
     n = 0
     for records in returns:
         for rec in records:

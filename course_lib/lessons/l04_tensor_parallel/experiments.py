@@ -9,31 +9,23 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from course_lib import dist as cdist
 from course_lib.config import ModelConfig
-from course_lib.measure import SavedActivations
-from course_lib.model import build_model
-from course_lib.parallel.comm_count import CollectiveCounter
+from course_lib.data import random_batches
+from course_lib.lessons.common import max_relative_error, small_config, train_reference
+from course_lib.measure import CollectiveCounter, SavedActivations
+from course_lib.model import build_model, lm_loss
 from course_lib.parallel.tensor_model import apply_tensor_parallel, local_param_bytes, shard_like
 from course_lib.parallel.vocab import vocab_parallel_cross_entropy
 
-__all__ = ["small_config", "make_batch", "tp_group", "reference", "rank_tp_report", "rank_dtensor_compare",
-           "max_rel_error"]
+__all__ = ["tp_config", "tp_group", "tp_mesh", "rank_tp_report", "rank_dtensor_compare"]
 
 
-def small_config(**overrides) -> ModelConfig:
-    """2 layers, 4 heads, d_model 32, vocab 64, T 16: a step takes milliseconds; tp in {1, 2, 4} divides it."""
-    kw = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32, name="tp-small")
-    kw.update(overrides)
-    return ModelConfig(**kw)
-
-
-def make_batch(cfg: ModelConfig, batch: int = 2, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)
-    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()     # (B, T) inputs and next-token targets
+def tp_config(**overrides) -> ModelConfig:
+    """`small_config` with 4 heads (2 layers, d_model 32, vocab 64, T 16): a step takes milliseconds; tp in
+    {1, 2, 4} divides it."""
+    return small_config(**{"n_head": 4, "name": "tp-small", **overrides})
 
 
 def tp_group(tp: int):
@@ -52,22 +44,10 @@ def tp_group(tp: int):
     return mine
 
 
-def max_rel_error(actual: dict, expected: dict) -> float:
-    """max over tensors of ||a - e|| / ||e|| (inf when the names differ)."""
-    if set(actual) != set(expected):
-        return float("inf")
-    return max(float((actual[k].double() - expected[k].double()).norm() / expected[k].double().norm().clamp_min(1e-30))
-               for k in expected)
-
-
-def reference(cfg: ModelConfig, idx, targets, seed: int = 0) -> dict:
-    """One process, whole model: logits, loss and gradients {name: tensor}."""
-    model = build_model(cfg, seed).to(idx.device)
-    logits = model(idx)
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    loss.backward()
-    return dict(logits=logits.detach(), loss=loss.item(),
-                grads={n: p.grad.detach().clone() for n, p in model.named_parameters()})
+def _reference(cfg: ModelConfig, idx, targets, seed: int = 0) -> dict:
+    """One process, whole model, one forward and backward: logits, loss and gradients on idx's device."""
+    ref = train_reference(cfg, [(idx, targets)], optimizer=None, seed=seed, device=idx.device)
+    return dict(logits=ref["logits"], loss=ref["losses"][0], grads={k: v.to(idx.device) for k, v in ref["grads"].items()})
 
 
 def _one_block(block, cfg, batch, T, tp, sp, dev) -> tuple[int, dict]:
@@ -87,8 +67,8 @@ def rank_tp_report(cfg: ModelConfig, batch: int = 2, tps=(1, 2, 4), seed: int = 
     """For each tp and with / without sequence parallelism: errors vs one process (logits, loss, gradients),
     collectives counted in one forward + backward, parameter bytes and one block's activation bytes per rank."""
     dev = cdist.device()
-    idx, targets = (t.to(dev) for t in make_batch(cfg, batch, seed))
-    ref = reference(cfg, idx, targets, seed)
+    idx, targets = (t.to(dev) for t in random_batches(cfg, batch, seed=seed)[0])
+    ref = _reference(cfg, idx, targets, seed)
     rows = []
     for tp in tps:
         group = tp_group(tp)
@@ -109,7 +89,7 @@ def rank_tp_report(cfg: ModelConfig, batch: int = 2, tps=(1, 2, 4), seed: int = 
                 tp=tp, sp=sp, rank=dist.get_rank(),
                 logits_err=float((logits - ref["logits"]).abs().max()),
                 loss_err=abs(loss.item() - ref["loss"]),
-                grad_err=max_rel_error(grads, shard_like(model, ref["grads"])),
+                grad_err=max_relative_error(grads, shard_like(model, ref["grads"])),
                 comm=counter.table(),
                 param_bytes=local_param_bytes(model),
             ))
@@ -149,8 +129,8 @@ def rank_dtensor_compare(cfg: ModelConfig, batch: int = 2, tps=(2, 4), seed: int
     from course_lib.parallel.tensor_model import tensor_parallel_blocks
 
     dev = cdist.device()
-    idx, targets = (t.to(dev) for t in make_batch(cfg, batch, seed))
-    ref = reference(cfg, idx, targets, seed)
+    idx, targets = (t.to(dev) for t in random_batches(cfg, batch, seed=seed)[0])
+    ref = _reference(cfg, idx, targets, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x_full = torch.randn(batch, cfg.seq_len, cfg.d_model, generator=g).to(dev)        # (B, T, C) block-stack input
     w_full = torch.randn(batch, cfg.seq_len, cfg.d_model, generator=g).to(dev)        # loss = sum(y * w)
@@ -165,15 +145,15 @@ def rank_dtensor_compare(cfg: ModelConfig, batch: int = 2, tps=(2, 4), seed: int
         loss_ours.backward()
         theirs = apply_dtensor_tp(build_model(cfg, seed).to(dev), mesh)
         logits_theirs = theirs(idx)
-        loss_theirs = F.cross_entropy(logits_theirs.flatten(0, 1), targets.flatten())
+        loss_theirs = lm_loss(logits_theirs, targets)
         loss_theirs.backward()
         g_theirs = _full_grads_dtensor(theirs, tp)
         rows.append(dict(tp=tp, sp=False, what="whole GPT",
                          out_vs_ref=float((logits_theirs - ref["logits"]).abs().max()),
-                         grad_vs_ref=max_rel_error(g_theirs, ref["grads"]),
+                         grad_vs_ref=max_relative_error(g_theirs, ref["grads"]),
                          out_ours_vs_theirs=float((ours.gather_logits(local.detach()) - logits_theirs).abs().max()),
                          loss_ours_vs_theirs=abs(loss_ours.item() - loss_theirs.item()),
-                         grad_ours_vs_theirs=max_rel_error({n: p.grad for n, p in ours.named_parameters()},
+                         grad_ours_vs_theirs=max_relative_error({n: p.grad for n, p in ours.named_parameters()},
                                                            shard_like(ours, g_theirs))))
         # the blocks with sequence parallelism: (B, T/t, C) in and out
         plain = build_model(cfg, seed).to(dev).blocks
@@ -205,10 +185,10 @@ def rank_dtensor_compare(cfg: ModelConfig, batch: int = 2, tps=(2, 4), seed: int
                 wrapper = torch.nn.Module()
                 wrapper.blocks, wrapper.group, wrapper.tp = blocks, group, tp
                 full_ref = shard_like(wrapper, {"blocks." + n: v for n, v in ref_grads.items()})
-                err = max_rel_error({"blocks." + n: v for n, v in grads.items()}, full_ref)
+                err = max_relative_error({"blocks." + n: v for n, v in grads.items()}, full_ref)
             else:
                 gt = _full_grads_dtensor(blocks, tp)
-                err = max_rel_error(gt, ref_grads)
+                err = max_relative_error(gt, ref_grads)
             results[kind] = dict(y=ys.detach(), xgrad=xs.grad, err=err)
         rows.append(dict(tp=tp, sp=True, what="blocks",
                          out_vs_ref=float((results["theirs"]["y"] - y.detach()[:, sl]).abs().max()),

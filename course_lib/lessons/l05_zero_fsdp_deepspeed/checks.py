@@ -1,8 +1,8 @@
-"""Rank-side checks of lesson 05's graded exercises (solutions/05_zero_fsdp_deepspeed.ipynb).
+"""What the graded exercises of lesson 05 call (solutions/05_zero_fsdp_deepspeed.ipynb): a rank-side harness.
 
 The exercises work on one flat vector: every parameter flattened and concatenated, zero-padded to N x S
 elements, so that rank r owns elements [r*S, (r+1)*S) (its shard). `FlatZero` is the given machinery around
-the learner's functions; the ``rank_check_*`` functions run inside `course_lib.launch.run` and return plain
+the learner's functions; the ``rank_try_*`` functions run inside `course_lib.launch.run` and return plain
 numbers for the test cells to compare.
 """
 
@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib.lessons.common import global_mean, params_of, shard_batch
+from course_lib.measure import CollectiveCounter
 from course_lib.model import build_model
-from course_lib.parallel.comm_count import CollectiveCounter
-from course_lib.parallel.ddp_experiments import params_of, shard
 
-__all__ = ["FlatZero", "rank_check_flat_zero", "rank_check_reduce_scatter", "rank_check_layer_gather"]
+__all__ = ["FlatZero", "rank_try_flat_zero", "rank_try_reduce_scatter", "rank_try_layer_gather"]
 
 
 class FlatZero:
@@ -71,7 +71,7 @@ class FlatZero:
                    if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
-def rank_check_flat_zero(cfg, batches, optimizer: str = "adamw", lr: float = 1e-2, **fns) -> dict:
+def rank_try_flat_zero(cfg, batches, optimizer: str = "adamw", lr: float = 1e-2, **fns) -> dict:
     """Train with `FlatZero` (the learner's function in ``fns``) on this rank's rows; return losses, parameters,
     the optimizer state's elements on this rank, the collectives called and whether the ranks agree."""
     r, n = dist.get_rank(), dist.get_world_size()
@@ -80,19 +80,17 @@ def rank_check_flat_zero(cfg, batches, optimizer: str = "adamw", lr: float = 1e-
     zero = FlatZero(model, opt_cls, lr=lr, **fns)
     losses, counter = [], CollectiveCounter()
     for x, y in batches:
-        loss = model.loss(shard(x, r, n), shard(y, r, n))
+        loss = model.loss(shard_batch(x, r, n), shard_batch(y, r, n))
         loss.backward()
         with counter:                                                  # the collectives of the step only
             zero.step()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / n)
+        losses.append(global_mean(loss))
     ops = sorted({op for _, op, _, _ in counter.records})
     return {"losses": losses, "params": params_of(model), "optimizer_numel": zero.optimizer_numel(),
             "shard_numel": zero.S, "ops": ops}
 
 
-def rank_check_reduce_scatter(fn: Callable, sizes=(2, 6, 10)) -> list[dict]:
+def rank_try_reduce_scatter(fn: Callable, sizes=(2, 6, 10)) -> list[dict]:
     """fn(flat (N*S,), group) -> (S,): the mean over ranks of chunk `rank`. Rank r contributes (r+1) x arange."""
     r, n = dist.get_rank(), dist.get_world_size()
     out = []
@@ -107,7 +105,7 @@ def rank_check_reduce_scatter(fn: Callable, sizes=(2, 6, 10)) -> list[dict]:
     return out
 
 
-def rank_check_layer_gather(gather_fn: Callable, free_fn: Callable) -> dict:
+def rank_try_layer_gather(gather_fn: Callable, free_fn: Callable) -> dict:
     """A Linear layer sharded over the ranks: gather its parameters with the learner's `gather_fn(param, chunk,
     group)`, run it, free them with `free_fn(param)`. Returns what the test compares."""
     r, n = dist.get_rank(), dist.get_world_size()

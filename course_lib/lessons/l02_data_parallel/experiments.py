@@ -4,13 +4,15 @@ Tests, the lesson, the benchmark and the exercise checks all call these, so that
 written once. Functions named ``rank_*`` run inside `course_lib.launch.run` (the default process group
 is initialised); the others run in a single process.
 
-Data: random token ids from a seeded generator, identical on every rank; rank r trains on rows
-[r*B/n, (r+1)*B/n) of each global batch of B rows (`shard`).
+Data: `course_lib.data.random_batches`, identical on every rank; rank r trains on rows [r*B/n, (r+1)*B/n)
+of each global batch of B rows (`course_lib.lessons.common.shard_batch`); the one-process reference is
+`course_lib.lessons.common.train_reference`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 
 import torch
@@ -19,67 +21,14 @@ import torch.nn as nn
 
 from course_lib import dist as cdist
 from course_lib.config import ModelConfig
-from course_lib.model import build_model
+from course_lib.data import random_batches
+from course_lib.lessons.common import global_mean, grads_of, params_of, shard_batch
+from course_lib.measure import interval_union, intervals_length, synchronize
+from course_lib.model import build_model, lm_loss
+from course_lib.parallel.collectives import ByteCounter, ring_all_reduce
 from course_lib.parallel.ddp import BucketedDDP, average_gradients
 
-__all__ = ["small_config", "make_batches", "shard", "train_reference", "rank_train", "rank_compare_torch_ddp",
-           "rank_throughput", "grads_of", "params_of"]
-
-
-def small_config(**overrides) -> ModelConfig:
-    """The 'tiny' preset made smaller still, so that a few training steps take milliseconds on a CPU."""
-    base = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, name="ddp-test")
-    base.update(overrides)
-    return ModelConfig(**base)
-
-
-def make_batches(cfg: ModelConfig, global_batch: int, steps: int, seed: int = 0,
-                 seq_len: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`steps` global batches (x, y) of token ids (global_batch, T), the same on every rank for a seed.
-    y is x shifted by one (next-token prediction) of a random sequence of T+1 tokens."""
-    g = torch.Generator().manual_seed(seed)
-    T = seq_len or cfg.seq_len
-    out = []
-    for _ in range(steps):
-        seq = torch.randint(cfg.vocab_size, (global_batch, T + 1), generator=g)   # (B, T+1)
-        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))          # (B, T), (B, T)
-    return out
-
-
-def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Rank `rank`'s rows of a global batch: (B, ...) -> (B/world, ...). B must divide evenly."""
-    if t.shape[0] % world:
-        raise ValueError(f"global batch {t.shape[0]} does not split evenly over {world} ranks: "
-                         f"use a multiple of {world}")
-    b = t.shape[0] // world
-    return t[rank * b:(rank + 1) * b]
-
-
-def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: p.detach().clone().cpu() for k, p in model.named_parameters()}
-
-
-def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: p.grad.detach().clone().cpu() for k, p in model.named_parameters() if p.grad is not None}
-
-
-def train_reference(cfg: ModelConfig, batches, lr: float = 0.1, seed: int = 0,
-                    device: torch.device | str = "cpu") -> dict:
-    """One process on the whole global batch: the result every data-parallel run must reproduce.
-    Returns {'losses': [...], 'params': {...}, 'grads': {...} (last step), 'first_grads' (first step)}."""
-    model = build_model(cfg, seed).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses, first_grads = [], None
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        loss = model.loss(x, y)
-        loss.backward()
-        grads = grads_of(model)
-        first_grads = first_grads or grads
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return {"losses": losses, "params": params_of(model), "grads": grads, "first_grads": first_grads}
+__all__ = ["rank_train", "accumulation_step", "rank_throughput", "rank_ring_vs_all_reduce"]
 
 
 def rank_train(cfg: ModelConfig, batches, mode: str = "bucketed", lr: float = 0.1, seed: int = 0,
@@ -107,12 +56,12 @@ def rank_train(cfg: ModelConfig, batches, mode: str = "bucketed", lr: float = 0.
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses, grads, first_grads = [], None, None
     for x, y in batches:
-        x, y = shard(x, r, n).to(dev), shard(y, r, n).to(dev)
+        x, y = shard_batch(x, r, n).to(dev), shard_batch(y, r, n).to(dev)
         if accum_steps > 1:
             micro = list(zip(x.chunk(accum_steps), y.chunk(accum_steps)))
             loss = (accum_fn or accumulation_step)(ddp, model, opt, micro)
         else:
-            loss = _torch_ddp_loss(ddp, x, y) if mode == "torch" else model.loss(x, y)
+            loss = lm_loss(ddp(x), y) if mode == "torch" else model.loss(x, y)     # torch DDP hooks into forward
             loss.backward()
             if mode == "naive":
                 if average_fn is None:
@@ -125,17 +74,9 @@ def rank_train(cfg: ModelConfig, batches, mode: str = "bucketed", lr: float = 0.
             first_grads = first_grads or grads
             opt.step()
             opt.zero_grad(set_to_none=True)
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss, group=group)     # mean of the shard means = mean of the global batch
-        losses.append(global_loss.item() / n)
+        losses.append(global_mean(loss, group))       # mean of the shard means = mean of the global batch
     return {"losses": losses, "params": params_of(model), "grads": grads, "first_grads": first_grads,
             "num_all_reduces": getattr(ddp, "num_all_reduces", None)}
-
-
-def _torch_ddp_loss(ddp: nn.parallel.DistributedDataParallel, x, y):
-    """PyTorch DDP hooks into forward: call the wrapper, then compute the loss from its logits."""
-    logits = ddp(x)                                                   # (B, T, V)
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
 def accumulation_step(ddp: BucketedDDP, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -166,18 +107,8 @@ def _comm_in_flight_s(prof, cuda: bool = False) -> float:
         keep = lambda e: e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()  # noqa: E731
     else:
         keep = lambda e: e.name.endswith(":all_reduce")  # noqa: E731
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if keep(e))
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total / 1e6            # profiler times are in microseconds
+    busy = interval_union((e.time_range.start, e.time_range.end) for e in prof.events() if keep(e))
+    return intervals_length(busy) / 1e6            # profiler times are in microseconds
 
 
 def rank_throughput(cfg: ModelConfig, batch_per_rank: int, variants=(("own", 25.0), ("torch", 25.0)),
@@ -193,8 +124,8 @@ def rank_throughput(cfg: ModelConfig, batch_per_rank: int, variants=(("own", 25.
     """
     r, n = dist.get_rank(), dist.get_world_size()
     dev = cdist.device()
-    x, y = (t.to(dev) for t in make_batches(cfg, batch_per_rank * n, 1, seed)[0])
-    x, y = shard(x, r, n), shard(y, r, n)                                         # (b, T)
+    x, y = (t.to(dev) for t in random_batches(cfg, batch_per_rank * n, 1, seed)[0])
+    x, y = shard_batch(x, r, n), shard_batch(y, r, n)                             # (b, T)
     runs = {}
     for kind, cap in variants:
         model = build_model(cfg, seed).to(dev)
@@ -208,7 +139,7 @@ def rank_throughput(cfg: ModelConfig, batch_per_rank: int, variants=(("own", 25.
         runs[f"{kind}@{cap:g}MB"] = (kind, model, wrapper, torch.optim.SGD(model.parameters(), lr=1e-3))
 
     def step(kind, model, wrapper, opt) -> float:
-        loss = _torch_ddp_loss(wrapper, x, y) if kind == "torch" else model.loss(x, y)
+        loss = lm_loss(wrapper(x), y) if kind == "torch" else model.loss(x, y)
         loss.backward()
         t_wait = time.perf_counter()
         if kind == "own":
@@ -227,19 +158,19 @@ def rank_throughput(cfg: ModelConfig, batch_per_rank: int, variants=(("own", 25.
         for j in range(len(labels)):
             label = labels[(i + j) % len(labels)]
             dist.barrier()
-            cdist_sync(dev)
+            synchronize(dev)
             t0 = time.perf_counter()
             w = step(*runs[label])
-            cdist_sync(dev)
+            synchronize(dev)
             if i >= warmup:
                 times[label].append(time.perf_counter() - t0)
                 waits[label].append(w)
     tokens = x.numel() * n                                                        # tokens per global step
     out = {}
     for label in labels:
-        step_s = _median(times[label])
+        step_s = statistics.median(times[label])
         wrapper = runs[label][2]
-        out[label] = {"step_s": step_s, "tokens_per_s": tokens / step_s, "wait_s": _median(waits[label]),
+        out[label] = {"step_s": step_s, "tokens_per_s": tokens / step_s, "wait_s": statistics.median(waits[label]),
                       "comm_share": None, "buckets": len(wrapper.buckets) if isinstance(wrapper, BucketedDDP) else None,
                       "times": times[label]}
     if profile:
@@ -251,7 +182,7 @@ def rank_throughput(cfg: ModelConfig, batch_per_rank: int, variants=(("own", 25.
                 t0 = time.perf_counter()
                 for _ in range(3):
                     step(*runs[label])
-                cdist_sync(dev)
+                synchronize(dev)
                 wall = time.perf_counter() - t0
             out[label]["comm_share"] = _comm_in_flight_s(prof, cuda=dev.type == "cuda") / wall
     return out
@@ -277,11 +208,31 @@ def _quiet_stderr():
             os.close(fd)
 
 
-def cdist_sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+# ----------------------------------------------------------------------------------------- ring vs library
 
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
+def rank_ring_vs_all_reduce(sizes_bytes, repeats: int = 5, warmup: int = 2) -> list[dict]:
+    """Runs on every rank: median time of `ring_all_reduce` and of `dist.all_reduce` for fp32 tensors of
+    each size, interleaved in one run (lesson 02). Returns [{'bytes', 'ring_s', 'library_s',
+    'ring_bytes_sent'}] as seen by this rank."""
+    dev = cdist.device()
+    out = []
+    for nbytes in sizes_bytes:
+        t = torch.randn(max(1, int(nbytes) // 4), device=dev)
+        times = {"ring": [], "library": []}
+        counter = ByteCounter()
+        for i in range(warmup + repeats):
+            for name in (("ring", "library") if i % 2 else ("library", "ring")):
+                dist.barrier()
+                synchronize(dev)
+                t0 = time.perf_counter()
+                if name == "ring":
+                    ring_all_reduce(t, counter=counter if i == 0 else None)
+                else:
+                    dist.all_reduce(t)
+                synchronize(dev)
+                if i >= warmup:
+                    times[name].append(time.perf_counter() - t0)
+            t.div_(dist.get_world_size() ** 2)      # keep the values bounded
+        out.append({"bytes": t.numel() * 4, "ring_s": statistics.median(times["ring"]),
+                    "library_s": statistics.median(times["library"]), "ring_bytes_sent": counter.bytes_sent})
+    return out

@@ -1,20 +1,19 @@
 """Lesson 07's tables, figures and the memory planner (lesson 05's ZeRO calculator + checkpointing + accumulation).
 
-    rows = E.checkpoint_sweep(cfg, batch, everys)          # course_lib.parallel.savers_experiments
+    rows = experiments.checkpoint_sweep(cfg, batch, everys)
     print(checkpoint_table(rows, hw)); checkpoint_figure(deep_rows, deep_cfg, deep_batch, rows, hw)
-    attention_figure(E.attention_sweep(), hw)
-    savers_planner()                                       # ipywidgets, formula only
+    attention_figure(experiments.attention_sweep(), hw)
+    savers_planner()                                       # ipywidgets: course_lib.theory.savers.planner_bytes
 """
 
 from __future__ import annotations
 
 from course_lib.config import PRESETS
 from course_lib.measure import fmt_bytes
-from course_lib.parallel.zero_report import calculator_bytes
-from course_lib.theory.savers import best_checkpoint_every, checkpointed_activation_bytes
+from course_lib.theory.savers import best_checkpoint_every, checkpointed_activation_bytes, planner_bytes
 
 __all__ = ["checkpoint_table", "checkpoint_figure", "attention_table", "attention_figure", "accumulation_table",
-           "planner_bytes", "savers_planner"]
+           "savers_planner"]
 
 
 def _log_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
@@ -113,20 +112,6 @@ def accumulation_table(rows: list[dict], hardware: str) -> str:
 
 # ------------------------------------------------------------------------------ the planner
 
-def planner_bytes(preset: str, world_size: int = 1, stage: int = 0, offload: str | None = None, mixed: bool = True,
-                  micro_batch: int = 1, every: int | None = None, global_batch: int | None = None) -> dict:
-    """Lesson 05's :func:`calculator_bytes` with the activations of one micro-batch under checkpointing every
-    ``every`` blocks (the backward's peak); ``accum_steps`` = global batch / (micro-batch x ranks)."""
-    out = dict(calculator_bytes(preset, world_size, stage, offload, mixed, micro_batch))
-    act = checkpointed_activation_bytes(PRESETS[preset], micro_batch, every=every,
-                                        dtype="bf16" if mixed else "fp32")["peak"]
-    out["device_total"] += act - out["activations"]
-    out["activations"] = act
-    gb = global_batch or micro_batch * world_size
-    out["accum_steps"] = max(1, gb // (micro_batch * world_size))
-    return out
-
-
 def savers_planner():
     """ipywidgets: lesson 05's calculator (model, ranks, ZeRO stage, offload, precision) plus micro-batch,
     checkpointing and global batch; bars for no checkpointing and every k = 1, 2, 4."""
@@ -150,7 +135,7 @@ def savers_planner():
         with out:
             out.clear_output(wait=True)
             off = offload.value if (offload.value != "param" or stage.value == 3) else None
-            args = (preset.value, n.value, stage.value, off, mixed.value, mb.value)
+            args = (PRESETS[preset.value], n.value, stage.value, off, mixed.value, mb.value)
             cur = planner_bytes(*args, every=every.value, global_batch=gb.value)
             fits = "fits" if cur["device_total"] <= budget.value * 1e9 else "does NOT fit"
             print(f"{fmt_bytes(cur['device_total'])} per device ({fits} in {budget.value:g} GB), "

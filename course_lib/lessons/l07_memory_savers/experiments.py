@@ -24,10 +24,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from course_lib.measure import SavedActivations, count_flops, model_state_bytes, time_fn
+from course_lib import dist as cdist
+from course_lib.data import random_batches
+from course_lib.lessons.common import grads_of, train_variant
+from course_lib.measure import SavedActivations, count_flops, hardware_label, model_state_bytes, time_fn
 from course_lib.model import build_model
 from course_lib.parallel.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
-from course_lib.parallel.ddp_experiments import grads_of, make_batches
 from course_lib.theory.savers import attention_saved_bytes, checkpointed_activation_bytes
 
 __all__ = ["LiveActivations", "measure_step", "naive_attention", "use_attention", "checkpoint_sweep",
@@ -156,7 +158,7 @@ def checkpoint_sweep(cfg, batch: int, everys=(None, 1, 2, 4), selective: bool = 
     rounds (the first discarded), so that a noisy shared machine slows them alike. ``cost=False``: memory only
     (``flops`` and ``step_s`` None: counting FLOPs runs every operator through Python, slow on deep models)."""
     model = build_model(cfg, seed)
-    x, y = make_batches(cfg, batch, 1, seed)[0]
+    x, y = random_batches(cfg, batch, 1, seed)[0]
     variants = [(k, False) for k in everys] + ([(1, True)] if selective else [])
     step = lambda: model.loss(x, y).backward()  # noqa: E731
     rows, ref = [], None
@@ -220,7 +222,7 @@ def accumulation_sweep(cfg, global_batch: int = 16, micro_batches=(16, 8, 4, 2, 
     """For each micro-batch: activation bytes of one micro-batch (held, peak), parameters + gradients, time of one
     accumulated step, and the largest difference of the gradients from the full batch's."""
     model = build_model(cfg, seed)
-    x, y = make_batches(cfg, global_batch, 1, seed)[0]
+    x, y = random_batches(cfg, global_batch, 1, seed)[0]
     rows, ref = [], None
     for mb in micro_batches:
         m = measure_step(model, x[:mb], y[:mb])                              # one micro-batch's activations
@@ -237,16 +239,12 @@ def accumulation_sweep(cfg, global_batch: int = 16, micro_batches=(16, 8, 4, 2, 
     return rows
 
 
-def rank_offload(cfg, global_batch: int = 8, steps: int = 3, modes=("ds2", "ds2-offload", "ds3", "ds3-offload")):
-    """Runs on every rank: DeepSpeed ZeRO-2/3 with and without CPU offload (lesson 05's ``rank_train``) on the
-    same data; returns per mode the losses, the bytes of every live tensor (on CUDA: allocated device bytes) and
-    the median step time, and the hardware label."""
-    from course_lib import dist as cdist
-    from course_lib.measure import hardware_label
-    from course_lib.parallel import zero_experiments as Z
-
-    batches = make_batches(cfg, global_batch, steps)
-    out = {m: Z.rank_train(cfg, batches, m, full_params=False) for m in modes}
+def rank_offload(cfg, global_batch: int = 8, steps: int = 3, variants=("ds2", "ds2-offload", "ds3", "ds3-offload")):
+    """Runs on every rank: DeepSpeed ZeRO-2/3 with and without CPU offload (`common.train_variant`, as in lesson
+    05) on the same data; returns per variant the losses, the bytes of every live tensor (on CUDA: allocated
+    device bytes) and the median step time, and the hardware label."""
+    batches = random_batches(cfg, global_batch, steps)
+    out = {v: train_variant(cfg, batches, v, full_params=False) for v in variants}
     keep = ("losses", "live_bytes", "step_s")
-    return {"runs": {m: {k: r[k] for k in keep} for m, r in out.items()},
+    return {"runs": {v: {k: r[k] for k in keep} for v, r in out.items()},
             "hardware": hardware_label(cdist.backend(), cdist.device())}

@@ -1,7 +1,8 @@
-"""Micro-benchmarks of lesson 01: matmul FLOP/s, memory bandwidth, roofline points, collectives, a profiled DDP step.
+"""The experiments of lesson 01: matmul FLOP/s, memory bandwidth, roofline points, collectives, a profiled DDP
+step, MFU and the anatomy of training memory.
 
 Each function returns plain rows (lists of dicts) that name the hardware and backend they came from,
-so a lesson can print them, plot them (`course_lib.plots`) and compare them with `course_lib.theory`.
+so a lesson can print them, plot them (`report`) and compare them with `course_lib.theory`.
 Sizes adapt to the device: small on a CPU (a lesson runs in minutes on 2 cores), realistic on a GPU.
 Distributed benchmarks start their ranks through `course_lib.launch.run` (gloo on CPU, NCCL on GPUs):
 the same code runs on both.
@@ -9,11 +10,21 @@ the same code runs on both.
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from course_lib import dist as cdist
 from course_lib import measure
-from course_lib.theory import comm
+from course_lib.config import get_preset
+from course_lib.data import random_batches
+from course_lib.dist import pick_backend
+from course_lib.launch import run
+from course_lib.measure import interval_union, intervals_length
+from course_lib.model import build_model
+from course_lib.theory import comm, flops
 
 KB, MB = 1024, 1024 ** 2
 
@@ -35,7 +46,6 @@ def _dtype(device: torch.device, dtype=None) -> torch.dtype:
 
 def time_kernel(fn, device=None, repeats: int = 5, min_s: float = 2e-3) -> float:
     """Best (minimum) seconds per call of a short kernel over ``repeats``, as STREAM reports its best rate.
-
     Calls are batched so that each timed repeat lasts at least ``min_s`` (a small matmul takes
     microseconds, less than the timer's resolution and overhead). The best repeat measures what the
     hardware can do; on a shared machine the others include time when another process had the core.
@@ -70,7 +80,6 @@ def matmul_sweep(sizes=None, device=None, dtype=None, repeats: int = 5) -> list[
 
 def copy_bandwidth(sizes_bytes=None, device=None, repeats: int = 5) -> list[dict]:
     """Memory bandwidth of ``dst.copy_(src)``: bytes moved = 2 x size (read ``src``, write ``dst``).
-
     Small sizes fit in the CPU caches and look faster; the largest size measures main memory (DRAM/HBM).
     """
     device = _device(device)
@@ -93,7 +102,6 @@ def _layernorm_flops(n_elements: int) -> int:
 
 def roofline_points(device=None, dtype=None, repeats: int = 5) -> list[dict]:
     """Measured (arithmetic intensity, FLOP/s) of a few kernels, for a roofline plot.
-
     FLOPs and the *minimum* bytes each kernel must move (read its inputs and write its output once):
     - matmul n x n: 2 n^3 FLOPs, 3 n^2 elements  -> intensity n / 6 FLOP/byte in fp32 (grows with n)
     - elementwise add of N elements: N FLOPs, 3N elements -> 1/12 FLOP/byte in fp32 (memory-bound)
@@ -137,13 +145,6 @@ def roofline_points(device=None, dtype=None, repeats: int = 5) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def dist_backend(nprocs: int) -> str:
-    """NCCL when there is one GPU per rank, else gloo (a 1-GPU machine still runs the CPU version)."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs:
-        return "nccl"
-    return "gloo"
-
-
 def collective_sizes(min_bytes: int = KB, max_bytes: int = 64 * MB, factor: int = 4) -> list[int]:
     """Message sizes from ``min_bytes`` to ``max_bytes`` in steps of ``factor`` (1 KB ... 64 MB)."""
     sizes, s = [], min_bytes
@@ -159,11 +160,8 @@ def _repeats_for(nbytes: int) -> int:
 
 def _collective_worker(world_sizes, ops, sizes):
     """Runs on every rank: times each collective on the first ``ws`` ranks, for each ws in world_sizes."""
-    import time
 
-    import torch.distributed as dist
 
-    from course_lib import dist as cdist
 
     rank, total = dist.get_rank(), dist.get_world_size()
     dev = cdist.device()
@@ -209,19 +207,16 @@ def _collective_worker(world_sizes, ops, sizes):
 def collective_benchmark(world_sizes=(2, 4), ops=comm.OPS, sizes=None, timeout_s: float = 300,
                          stream: bool = False) -> list[dict]:
     """Time all_reduce / all_gather / reduce_scatter / broadcast over 2 and 4 ranks, 1 KB ... 64 MB.
-
     One job of ``max(world_sizes)`` ranks (one launch, one import of torch per rank); each smaller
     world size runs on a sub-group of the first ranks while the others wait. Returns rows with
     ``op, world_size, bytes, time_s, algbw, busbw (bytes/s), backend, hardware``; busbw follows
     nccl-tests (see `course_lib.theory.comm`). NCCL with one GPU per rank where there are enough GPUs,
     else gloo on the CPU.
     """
-    from course_lib.launch import run
-
     sizes = collective_sizes() if sizes is None else list(sizes)
     nprocs = max(world_sizes)
     res = run(_collective_worker, nprocs=nprocs, args=(tuple(world_sizes), tuple(ops), sizes),
-              timeout_s=timeout_s, stream=stream, backend=dist_backend(nprocs))
+              timeout_s=timeout_s, stream=stream)
     return res.value
 
 
@@ -249,20 +244,6 @@ def is_comm_event(name: str) -> bool:
     return any(m in low for m in COMM_MARKERS)
 
 
-def _union(intervals):
-    out = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
-
-
-def _length(intervals) -> float:
-    return sum(e - s for s, e in intervals)
-
-
 def _intersect(a, b):
     out, i, j = [], 0, 0
     while i < len(a) and j < len(b):
@@ -278,7 +259,6 @@ def _intersect(a, b):
 
 def breakdown(events: list[tuple], window: tuple[float, float]) -> dict:
     """Split the ``window`` (start, end) of a step into compute, communication, overlap and idle time.
-
     ``events``: (name, start, end) of the profiled activity that counts as work (CPU ops of the
     training thread and the collective threads on CPU; GPU kernels on CUDA). Communication = union of
     the intervals of :func:`is_comm_event` events; compute = union of the others. Returns seconds if
@@ -288,10 +268,10 @@ def breakdown(events: list[tuple], window: tuple[float, float]) -> dict:
     """
     w0, w1 = window
     clip = lambda iv: [[max(s, w0), min(e, w1)] for s, e in iv if min(e, w1) > max(s, w0)]
-    comm_iv = _union(clip([(s, e) for n, s, e in events if is_comm_event(n)]))
-    comp_iv = _union(clip([(s, e) for n, s, e in events if not is_comm_event(n)]))
-    both = _length(_intersect(comp_iv, comm_iv))
-    compute, communication = _length(comp_iv), _length(comm_iv)
+    comm_iv = interval_union(clip([(s, e) for n, s, e in events if is_comm_event(n)]))
+    comp_iv = interval_union(clip([(s, e) for n, s, e in events if not is_comm_event(n)]))
+    both = intervals_length(_intersect(comp_iv, comm_iv))
+    compute, communication = intervals_length(comp_iv), intervals_length(comm_iv)
     total = w1 - w0
     busy = compute + communication - both
     return dict(total=total, compute=compute, communication=communication, overlap=both,
@@ -300,22 +280,16 @@ def breakdown(events: list[tuple], window: tuple[float, float]) -> dict:
 
 
 def _ddp_profile_worker(preset: str, batch_size: int, steps: int):
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from course_lib import dist as cdist
-    from course_lib.config import get_preset
-    from course_lib.model import build_model
 
     dev = cdist.device()
     cfg = get_preset(preset)
     model = build_model(cfg, seed=0).to(dev)
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(1 + dist.get_rank())  # each rank its own shard of data
-    idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=g).to(dev)
-    x, y = idx[:, :-1], idx[:, 1:]
+    x, y = (t.to(dev) for t in random_batches(cfg, batch_size, seed=1 + dist.get_rank())[0])   # each rank its own
 
     def step():
         logits = ddp(x)
@@ -353,14 +327,11 @@ def _ddp_profile_worker(preset: str, batch_size: int, steps: int):
 def profile_ddp_step(nprocs: int = 2, preset: str | None = None, batch_size: int | None = None,
                      steps: int = 3, timeout_s: float = 240, stream: bool = False) -> dict:
     """Profile ``steps`` data-parallel training steps (torch DDP) on ``nprocs`` ranks; return rank 0's breakdowns.
-
     Returns ``dict(steps=[breakdown, ...], median=breakdown of the median-length step, hardware, backend, ...)``.
     Defaults: the tiny preset on CPU (gloo), gpt2-124m on GPUs (NCCL, one GPU per rank; with fewer GPUs
     than ranks the CPU version runs).
     """
-    from course_lib.launch import run
-
-    backend = dist_backend(nprocs)
+    backend = pick_backend(nprocs)
     gpu = backend == "nccl"
     preset = preset or ("gpt2-124m" if gpu else "tiny")
     batch_size = batch_size or 8
@@ -379,24 +350,19 @@ def profile_ddp_step(nprocs: int = 2, preset: str | None = None, batch_size: int
 
 
 def _train_setup(cfg, batch_size: int, device, seed: int = 0):
-    from course_lib.model import build_model
 
     model = build_model(cfg, seed=seed).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=g).to(device)
-    return model, opt, idx[:, :-1], idx[:, 1:]
+    x, y = random_batches(cfg, batch_size, seed=seed)[0]                   # (B, T) each
+    return model, opt, x.to(device), y.to(device)
 
 
 def train_step_mfu(cfg, batch_size: int, device=None, warmup: int = 2, repeats: int = 5) -> dict:
     """Time one Adam training step of ``course_lib.model.GPT(cfg)`` and compute its MFU.
-
     Model FLOPs per step come from the formula (``theory.flops.step_flops``: 6N + attention), the peak from
     :func:`course_lib.measure.peak_flops` (datasheet bf16 on known GPUs, measured fp32 matmul on a CPU).
     On a GPU the step runs under bf16 autocast, to be comparable with the bf16 peak.
     """
-    from course_lib.theory import flops
-
     device = _device(device)
     model, opt, x, y = _train_setup(cfg, batch_size, device)
     use_bf16 = device.type == "cuda"
@@ -419,7 +385,6 @@ def train_step_mfu(cfg, batch_size: int, device=None, warmup: int = 2, repeats: 
 
 def training_memory(cfg, batch_size: int, device=None) -> dict:
     """Measured memory of one Adam training step of ``GPT(cfg)`` (fp32), counted from tensors.
-
     ``params, grads, optimizer`` (after one step, :func:`course_lib.measure.model_state_bytes`) and
     ``activations`` (bytes saved for backward, :class:`course_lib.measure.SavedActivations`), plus
     ``rss`` on CPU or the CUDA allocator's ``peak_allocated`` on GPU, for comparison.

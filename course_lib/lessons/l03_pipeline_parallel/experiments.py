@@ -9,53 +9,29 @@ from __future__ import annotations
 
 import statistics
 
-import torch
-import torch.nn as nn
-
 from course_lib import dist as cdist
 from course_lib.config import ModelConfig
-from course_lib.model import build_model
-from course_lib.parallel.pipeline import P2P, build_stage, lm_loss, run_schedule, split_microbatches
+from course_lib.data import random_batches
+from course_lib.lessons.common import grads_of, small_config
+from course_lib.model import build_model, lm_loss
+from course_lib.parallel.pipeline import P2P, build_stage, run_schedule, split_microbatches
 from course_lib.parallel.pipeline_schedules import bubble_of, schedule_orders
 
-__all__ = ["pipeline_config", "bubble_config", "make_batch", "reference", "rank_step", "rank_torch_step",
-           "rank_correctness", "rank_bubble_sweep", "rank_memory"]
+__all__ = ["pipeline_config", "bubble_config", "rank_step", "rank_torch_step", "rank_correctness",
+           "rank_bubble_sweep", "rank_memory"]
 
 
 def pipeline_config(n_layer: int = 4, **overrides) -> ModelConfig:
-    """A small untied GPT (milliseconds per micro-batch on a CPU) with n_layer blocks to split."""
-    base = dict(vocab_size=64, seq_len=16, n_layer=n_layer, n_head=2, d_model=32, tie_embeddings=False,
-                name="pipeline-test")
-    base.update(overrides)
-    return ModelConfig(**base)
+    """`small_config` untied (the embedding and the head live on different stages) with n_layer blocks to split:
+    milliseconds per micro-batch on a CPU."""
+    return small_config(**{"n_layer": n_layer, "tie_embeddings": False, "name": "pipeline-test", **overrides})
 
 
 def bubble_config(n_layer: int = 4, **overrides) -> ModelConfig:
     """A GPT whose blocks dominate the work (small vocabulary, wide layers): stages are balanced and each
     op takes tens of milliseconds on a CPU core, so timing noise is small against it."""
-    base = dict(vocab_size=64, seq_len=64, n_layer=n_layer, n_head=4, d_model=256, tie_embeddings=False,
-                name="pipeline-bubble")
-    base.update(overrides)
-    return ModelConfig(**base)
-
-
-def make_batch(cfg: ModelConfig, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of random token ids x (B, T) and next-token targets y (B, T)."""
-    g = torch.Generator().manual_seed(seed)
-    seq = torch.randint(cfg.vocab_size, (batch, cfg.seq_len + 1), generator=g)   # (B, T+1)
-    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
-
-
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: q.grad.detach().cpu().clone() for k, q in model.named_parameters() if q.grad is not None}
-
-
-def reference(cfg: ModelConfig, x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> dict:
-    """One process, whole batch: loss and every parameter's gradient."""
-    model = build_model(cfg, seed)
-    loss = model.loss(x, y)
-    loss.backward()
-    return dict(loss=loss.item(), grads=_grads(model))
+    return pipeline_config(n_layer, **{"seq_len": 64, "n_head": 4, "d_model": 256, "name": "pipeline-bubble",
+                                       **overrides})
 
 
 def rank_step(cfg: ModelConfig, x, y, kind: str, m: int, seed: int = 0, model=None) -> dict:
@@ -69,7 +45,7 @@ def rank_step(cfg: ModelConfig, x, y, kind: str, m: int, seed: int = 0, model=No
     stage = build_stage(model, rank, p)
     order = schedule_orders(kind, p, m)[rank]
     out = run_schedule(stage, order, split_microbatches(x, m), split_microbatches(y, m), P2P(rank, p, device))
-    out["grads"] = _grads(model)
+    out["grads"] = grads_of(model)
     return out
 
 
@@ -93,12 +69,12 @@ def rank_torch_step(cfg: ModelConfig, x, y, kind: str, m: int, seed: int = 0) ->
         schedule.step(target=y.to(device), losses=losses)
     else:
         schedule.step()
-    return dict(losses=[float(v) for v in losses], grads=_grads(model))
+    return dict(losses=[float(v) for v in losses], grads=grads_of(model))
 
 
 def rank_correctness(cfg: ModelConfig, batch: int, ms, kinds=("gpipe", "1f1b"), torch_ms=(), seed: int = 0) -> dict:
     """Own schedules for every m in `ms` (and torch's for `torch_ms`): losses and gradients per run."""
-    x, y = make_batch(cfg, batch, seed)
+    x, y = random_batches(cfg, batch, seed=seed)[0]
     out = {}
     for kind in kinds:
         for m in ms:
@@ -127,7 +103,7 @@ def rank_bubble_sweep(cfg: ModelConfig, micro_batch: int, ms, kinds=("gpipe", "1
     p, device = cdist.world_size(), cdist.device()
     model = build_model(cfg, seed).to(device)
     configs = [(kind, m) for kind in kinds for m in ms]
-    batches = {m: make_batch(cfg, m * micro_batch, seed) for m in ms}
+    batches = {m: random_batches(cfg, m * micro_batch, seed=seed)[0] for m in ms}
     runs: dict = {c: [] for c in configs}
     for it in range(warmup + repeats):
         for kind, m in configs:
@@ -151,7 +127,7 @@ def rank_memory(cfg: ModelConfig, micro_batch: int, ms, kinds=("gpipe", "1f1b"),
     out = {}
     for kind in kinds:
         for m in ms:
-            x, y = make_batch(cfg, m * micro_batch, seed)
+            x, y = random_batches(cfg, m * micro_batch, seed=seed)[0]
             r = rank_step(cfg, x, y, kind, m, seed, model=model)
             out[(kind, m)] = dict(peak=r["act_peak"], per_mb=r["act_per_mb"][0])
     return out

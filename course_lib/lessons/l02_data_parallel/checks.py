@@ -1,4 +1,4 @@
-"""Rank-side harness for the graded exercises of lesson 02 (solutions/02_data_parallel.ipynb).
+"""What the graded exercises of lesson 02 call (solutions/02_data_parallel.ipynb): a rank-side harness.
 
 The test cells run these functions on gloo ranks with `launch.run`, passing the learner's function, and
 compare what comes back with a single-process reference. Two instruments make wrong answers visible:
@@ -16,33 +16,23 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from course_lib.parallel import ddp_experiments as E
+from course_lib import dist as cdist
+from course_lib.lessons.l02_data_parallel.experiments import rank_train
+from course_lib.measure import COUNTED_COLLECTIVES
+from course_lib.model import build_model
 from course_lib.parallel.ddp import make_buckets
 
-__all__ = ["relative_error", "scale_vs", "count_p2p_bytes", "deferred_all_reduce", "rank_check_ring",
-           "rank_check_ddp_class", "expected_buckets"]
+__all__ = ["scale_vs", "count_p2p_bytes", "deferred_all_reduce", "rank_try_ring", "rank_try_ddp_class",
+           "expected_buckets"]
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-                "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter")
-
-
-def _flat(d: dict) -> torch.Tensor:
-    return torch.cat([v.reshape(-1).double() for _, v in sorted(d.items())])
-
-
-def relative_error(actual: dict, expected: dict) -> float:
-    """||a - e|| / ||e|| over all tensors of two {name: tensor} dicts (one number a message can show)."""
-    if actual is None or set(actual) != set(expected):
-        return float("inf")
-    a, e = _flat(actual), _flat(expected)
-    return float((a - e).norm() / e.norm())
+_COLLECTIVES = (*COUNTED_COLLECTIVES, "reduce", "all_to_all", "gather", "scatter")
 
 
 def scale_vs(actual: dict, expected: dict) -> float:
     """The best factor s with actual ~ s x expected: 2.00 for a sum over 2 ranks instead of the mean."""
     if actual is None or set(actual) != set(expected):
         return float("nan")
-    a, e = _flat(actual), _flat(expected)
+    a, e = (torch.cat([d[k].reshape(-1).double() for k in sorted(expected)]) for d in (actual, expected))
     return float(a @ e / (e @ e))
 
 
@@ -82,12 +72,10 @@ def count_p2p_bytes():
             setattr(dist, name, fn)
 
 
-def rank_check_ring(ring_fn, sizes, n_list=(None,)) -> list[dict]:
+def rank_try_ring(ring_fn, sizes, n_list=(None,)) -> list[dict]:
     """Run ``ring_fn(tensor, group)`` on integer-valued tensors (sums are exact) for every size in `sizes`
     and every group size in `n_list` (None: all ranks; k: ranks 0..k-1). Returns one record per call:
     world size, numel, whether the result equals dist.all_reduce's, bytes sent, and an error if any."""
-    from course_lib import dist as cdist
-
     r, dev = dist.get_rank(), cdist.device()
     groups = {k: (None if k is None else dist.new_group(list(range(k)))) for k in n_list}  # all ranks create
     out = []
@@ -153,15 +141,15 @@ def deferred_all_reduce():
 def expected_buckets(cfg, bucket_cap_mb: float) -> int:
     """How many buckets `make_buckets` (and `BucketedDDP` without a first-bucket cap) makes for a model of
     `cfg` with this cap."""
-    params = list(E.build_model(cfg).parameters())
+    params = list(build_model(cfg).parameters())
     return len(make_buckets(list(reversed(params)), bucket_cap_mb * 2**20))
 
 
-def rank_check_ddp_class(ddp_cls, cfg, batches, bucket_cap_mb: float) -> dict:
+def rank_try_ddp_class(ddp_cls, cfg, batches, bucket_cap_mb: float) -> dict:
     """Train with the learner's DDP class twice: with the real asynchronous all-reduce, and with
     `deferred_all_reduce` (a missing wait then always shows). Returns both results and the call counts;
     the loss all-reduce of `rank_train` (synchronous, one per step) is included in 'sync_calls'."""
-    real = E.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=bucket_cap_mb, ddp_cls=ddp_cls)
+    real = rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=bucket_cap_mb, ddp_cls=ddp_cls)
     with deferred_all_reduce() as stats:
-        deferred = E.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=bucket_cap_mb, ddp_cls=ddp_cls)
+        deferred = rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=bucket_cap_mb, ddp_cls=ddp_cls)
     return {"real": real, "deferred": deferred, **stats}

@@ -1,4 +1,4 @@
-"""Checks of lesson 07's graded exercises (solutions/07_memory_savers.ipynb), one process each.
+"""What the graded exercises of lesson 07 call (solutions/07_memory_savers.ipynb), one process each.
 
 Each ``check_*`` runs the learner's code against a measurement or the course's reference and raises
 ``course_lib.grading.check.CheckFailed`` (one line: what, expected, got, a hint) at the first difference.
@@ -10,24 +10,20 @@ from __future__ import annotations
 import copy
 from typing import Callable
 
+from course_lib import theory
 from course_lib.config import ModelConfig
+from course_lib.data import random_batches
 from course_lib.grading.check import check_close, check_equal, check_true
+from course_lib.lessons.common import small_config
+from course_lib.lessons.l07_memory_savers.experiments import measure_step, use_attention
 from course_lib.measure import count_flops
 from course_lib.model import build_model
 from course_lib.parallel.checkpointing import apply_activation_checkpointing
-from course_lib.parallel.ddp_experiments import make_batches
-from course_lib.parallel.savers_experiments import measure_step, use_attention
-from course_lib.theory import savers as S
 
 __all__ = ["CHECK_CFG", "check_checkpointed_block", "check_activation_estimator", "check_budget_fitter",
            "budget_candidates"]
 
-_CHECK = dict(vocab_size=64, seq_len=32, n_layer=3, n_head=2, d_model=32, name="check")
-CHECK_CFG = ModelConfig(**_CHECK)
-
-
-def _grads(model) -> list:
-    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+CHECK_CFG = small_config(seq_len=32, n_layer=3, name="check")
 
 
 def check_checkpointed_block(wrapper_cls: Callable, cfg: ModelConfig = CHECK_CFG, batch: int = 4) -> dict:
@@ -38,18 +34,17 @@ def check_checkpointed_block(wrapper_cls: Callable, cfg: ModelConfig = CHECK_CFG
     wrapped = copy.deepcopy(plain)
     for i, block in enumerate(wrapped.blocks):
         wrapped.blocks[i] = wrapper_cls(block)
-    x, y = make_batches(cfg, batch, 1, seed=1)[0]
+    x, y = random_batches(cfg, batch, 1, seed=1)[0]
     ref, got = measure_step(plain, x, y), measure_step(wrapped, x, y)
     check_close("loss of the checkpointed model", got["loss"], ref["loss"], rtol=1e-6,
                 hint="run the block itself inside checkpoint: the forward must not change")
-    g_ref, g_got = _grads(plain), _grads(wrapped)
-    missing = sum(g is None for g in g_got)
+    missing = sum(p.grad is None for p in wrapped.parameters())
     check_equal("parameters without a gradient", missing, 0,
                 hint="do not detach the input or run under no_grad: gradients must flow through the wrapper")
-    err = max((a - b).abs().max().item() for a, b in zip(g_got, g_ref))
+    err = max((a - b).abs().max().item() for a, b in zip(got["grads"].values(), ref["grads"].values()))
     check_close("largest gradient difference from the plain model", err, 0.0, atol=1e-6,
                 hint="checkpoint(self.block, x, use_reentrant=False) recomputes exactly the same forward")
-    est = S.checkpointed_activation_bytes(cfg, batch, every=1)["held"]
+    est = theory.savers.checkpointed_activation_bytes(cfg, batch, every=1)["held"]
     check_close(f"activation bytes held after the forward (plain model: {ref['held']})", got["held"], est,
                 rtol=0.10, hint="torch.utils.checkpoint.checkpoint keeps only the block's input")
     flops_plain = count_flops(lambda: plain.loss(x, y).backward())
@@ -71,11 +66,11 @@ def check_activation_estimator(fn: Callable, cases=ESTIMATOR_CASES) -> list[dict
     after the forward of ``GPT(cfg).loss`` (``LiveActivations``), for checkpointing every k and naive attention."""
     out = []
     for over, batch, T, every, attention in cases:
-        cfg = ModelConfig(**{**_CHECK, **over})
+        cfg = CHECK_CFG.replace(**over)
         model = build_model(cfg, 0)
         if every is not None:
             apply_activation_checkpointing(model, every=every)
-        x, y = make_batches(cfg, batch, 1, seed=2, seq_len=T)[0]
+        x, y = random_batches(cfg, batch, 1, seed=2, seq_len=T)[0]
         with use_attention(model, attention):
             measured = measure_step(model, x, y)["held"]
         got = fn(cfg, batch, T, every, attention)
@@ -106,7 +101,7 @@ def check_budget_fitter(fn: Callable, cases=BUDGET_CASES) -> list[dict]:
     cands = budget_candidates()
     out = []
     for budget, gb in cases:
-        want = S.fit_budget(budget, cands, gb)
+        want = theory.savers.fit_budget(budget, cands, gb)
         got = fn(budget, cands, gb)
         if want is None:
             check_true(f"nothing fits in {budget / 1e6:g} MB: return None (got {got})", got is None)

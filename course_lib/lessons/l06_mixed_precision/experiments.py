@@ -1,8 +1,8 @@
-"""The experiments and graded checks of lesson 06 (mixed precision), as plain functions.
+"""The experiments of lesson 06 (mixed precision), as plain functions (its graded exercises call `checks`).
 
 - `scaler_trace`: drive a loss scaler (ours, the learner's or `torch.amp.GradScaler`) for N steps with injected
   inf/nan gradients; record the scale, whether the optimizer stepped and the final weights.
-- `rank_scaler_check`: the same on every rank with rank-local gradients (as under tensor/pipeline parallelism or
+- `rank_scaler_agreement`: the same on every rank with rank-local gradients (as under tensor/pipeline parallelism or
   sharded gradients), overflow on one rank only: every rank must skip the same steps.
 - `gradient_underflow`: a real fp16 training step of the course's GPT; share of gradient elements lost to zero.
 - `autocast_dtypes`, `train_modes`, `speed_and_memory`: autocast, master weights and what low precision costs.
@@ -12,19 +12,21 @@ Functions named ``rank_*`` run inside `course_lib.launch.run`.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
+from course_lib.lessons.common import deepspeed_config, import_deepspeed, shard_batch, train_variant
 from course_lib.measure import SavedActivations, model_state_bytes, synchronize, time_fn
 from course_lib.model import build_model
-from course_lib.parallel.ddp_experiments import make_batches, shard, small_config
-from course_lib.parallel.precision import DynamicLossScaler, MasterWeightOptimizer, master_step
+from course_lib.parallel.precision import DynamicLossScaler, MasterWeightOptimizer
 
-__all__ = ["overflow_steps", "scaler_trace", "scaler_check", "master_step_check", "rank_scaler_check",
-           "gradient_underflow", "autocast_dtypes", "train_modes", "speed_and_memory", "rank_deepspeed", "SCALER_KW"]
+__all__ = ["SCALER_KW", "overflow_steps", "inject_overflow", "scaler_trace", "rank_scaler_agreement",
+           "gradient_underflow", "autocast_dtypes", "PrecisionMode", "PRECISION_MODES", "train_modes",
+           "speed_and_memory", "rank_deepspeed"]
 
 SCALER_KW = dict(init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=10)
 
@@ -39,7 +41,8 @@ def overflow_steps(steps: int = 200, seed: int = 0, rate: float = 0.08) -> dict[
     return out
 
 
-def _inject(params, kind: str, step: int) -> None:
+def inject_overflow(params, kind: str, step: int) -> None:
+    """Put an inf, -inf or nan (``kind``) into one element of one gradient, chosen by ``step``."""
     p = params[step % len(params)]
     p.grad.view(-1)[step % p.grad.numel()] = float(kind)
 
@@ -67,7 +70,7 @@ def scaler_trace(make_scaler, steps: int = 200, overflows: dict | None = None, s
         scales.append(float(scaler.get_scale()))
         scaler.scale(loss).backward()
         if s in overflows:
-            _inject(params, overflows[s], s)
+            inject_overflow(params, overflows[s], s)
         n = len(calls)
         if unscale_every and s % unscale_every == unscale_every - 1:
             scaler.unscale_(opt)
@@ -78,7 +81,7 @@ def scaler_trace(make_scaler, steps: int = 200, overflows: dict | None = None, s
     return {"scales": scales, "stepped": stepped, "params": [p.detach().clone() for p in params]}
 
 
-def rank_scaler_check(make_scaler, steps: int = 30, overflow_rank: int = 1, every: int = 7) -> dict:
+def rank_scaler_agreement(make_scaler, steps: int = 30, overflow_rank: int = 1, every: int = 7) -> dict:
     """Every rank trains its own slice of a model (gradients are rank-local: no all-reduce of them, as in tensor or
     pipeline parallelism); rank `overflow_rank` alone sees an inf every `every` steps. Returns this rank's
     scales and stepped flags, and whether all ranks agree on them."""
@@ -138,25 +141,39 @@ def autocast_dtypes(model, x, dtype=torch.bfloat16) -> list[tuple[str, str, str]
     return rows
 
 
-def train_modes(cfg, batches, lr: float = 1e-3, seed: int = 0, modes=("fp32", "bf16-autocast", "bf16-master",
-                                                                      "bf16-pure", "fp16-master-scaled")) -> dict:
-    """Train the same model on the same batches with AdamW in several precisions; per mode the losses, the final
-    weights (as fp32) and the number of skipped steps.
+@dataclasses.dataclass(frozen=True)
+class PrecisionMode:
+    """How `train_modes` trains: the dtype of the model's weights, matmuls under bf16 autocast, fp32 master weights,
+    and a dynamic loss scaler."""
 
-    fp32: reference. bf16-autocast: fp32 weights, matmuls in bf16. bf16-master: bf16 model + fp32 masters.
-    bf16-pure: bf16 weights updated in place in bf16 (no master copy). fp16-master-scaled: fp16 model, fp32
-    masters, `DynamicLossScaler`."""
+    weights: torch.dtype = torch.float32
+    autocast: bool = False
+    master: bool = False
+    scaled: bool = False
+
+
+PRECISION_MODES = {
+    "fp32": PrecisionMode(),                                                     # the reference
+    "bf16-autocast": PrecisionMode(autocast=True),                               # fp32 weights, bf16 matmuls
+    "bf16-master": PrecisionMode(torch.bfloat16, master=True),                   # bf16 model + fp32 masters
+    "bf16-pure": PrecisionMode(torch.bfloat16),                                  # bf16 weights updated in bf16
+    "fp16-master-scaled": PrecisionMode(torch.float16, master=True, scaled=True),  # + `DynamicLossScaler`
+}
+
+
+def train_modes(cfg, batches, lr: float = 1e-3, seed: int = 0, modes=tuple(PRECISION_MODES)) -> dict:
+    """Train the same model on the same batches with AdamW in several precisions (names of `PRECISION_MODES`);
+    per mode the losses, the final weights (as fp32) and the number of skipped steps."""
     out = {}
-    for mode in modes:
-        low = {"bf16-master": torch.bfloat16, "bf16-pure": torch.bfloat16,
-               "fp16-master-scaled": torch.float16}.get(mode)
-        model = build_model(cfg, seed).to(low or torch.float32)
-        mp = MasterWeightOptimizer(model, torch.optim.AdamW, lr=lr) if mode.endswith(("master", "scaled")) else None
+    for name in modes:
+        mode = PRECISION_MODES[name]
+        model = build_model(cfg, seed).to(mode.weights)
+        mp = MasterWeightOptimizer(model, torch.optim.AdamW, lr=lr) if mode.master else None
         opt = None if mp else torch.optim.AdamW(model.parameters(), lr=lr)
-        scaler = DynamicLossScaler(growth_interval=2000) if mode.endswith("scaled") else None
+        scaler = DynamicLossScaler(growth_interval=2000) if mode.scaled else None
         losses = []
         for x, y in batches:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16-autocast"):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode.autocast):
                 loss = model.loss(x, y)
             (scaler.scale(loss) if scaler else loss).backward()
             if mp:
@@ -167,7 +184,7 @@ def train_modes(cfg, batches, lr: float = 1e-3, seed: int = 0, modes=("fp32", "b
             if scaler:
                 scaler.update()
             losses.append(loss.item())
-        out[mode] = {"losses": losses, "params": [p.detach().float().clone() for p in model.parameters()],
+        out[name] = {"losses": losses, "params": [p.detach().float().clone() for p in model.parameters()],
                      "skipped": sum(not s for _, s in scaler.history) if scaler else 0}
     return out
 
@@ -207,10 +224,9 @@ def speed_and_memory(cfg, x, y, repeats: int = 3, device=None) -> list[dict]:
 def rank_deepspeed(cfg, batches) -> dict:
     """DeepSpeed ZeRO-2 in fp32 and with the ``bf16`` block on the same data; ``fp16`` too where a GPU is present
     (on CPU, DeepSpeed's own refusal is caught and returned)."""
-    from course_lib.parallel import zero_experiments as Z
-    out = {m: Z.rank_train(cfg, batches, m, measure_live=False) for m in ("ds2", "ds2-bf16")}
-    deepspeed = Z.import_deepspeed()
-    conf = Z.deepspeed_config(2, batches[0][0].shape[0] // dist.get_world_size(), precision="bf16")
+    out = {m: train_variant(cfg, batches, m, measure_live=False) for m in ("ds2", "ds2-bf16")}
+    deepspeed = import_deepspeed()
+    conf = deepspeed_config(2, batches[0][0].shape[0] // dist.get_world_size(), precision="bf16")
     conf["bf16"], conf["fp16"] = {"enabled": False}, {"enabled": True, "initial_scale_power": 16,
                                                       "loss_scale_window": 10, "hysteresis": 1, "min_loss_scale": 1}
     model = build_model(cfg, 0).to(cdist.device())
@@ -219,7 +235,7 @@ def rank_deepspeed(cfg, batches) -> dict:
                                           config=conf)
         losses, n, r = [], dist.get_world_size(), dist.get_rank()
         for x, y in batches:
-            loss = engine.module.loss(shard(x, r, n).to(engine.device), shard(y, r, n).to(engine.device))
+            loss = engine.module.loss(shard_batch(x, r, n).to(engine.device), shard_batch(y, r, n).to(engine.device))
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -228,74 +244,3 @@ def rank_deepspeed(cfg, batches) -> dict:
         out["ds2-fp16"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     out["backend"] = cdist.backend()
     return out
-
-
-def _max_error(xs, refs) -> float:
-    """Largest |x - ref| over lists of tensors; inf if anything is inf/nan or a shape differs."""
-    errs = [(a.float() - b.float()).abs().max().item() if a.shape == b.shape else float("inf")
-            for a, b in zip(xs, refs)]
-    return max((e if e == e else float("inf") for e in errs), default=0.0)
-
-
-def scaler_check(make_scaler, steps: int = 200, seed: int = 0) -> dict:
-    """Run `make_scaler()` and `torch.amp.GradScaler("cpu")` with the same settings (`SCALER_KW`) over `steps`
-    steps with the same injected overflows; what the graded test compares (lesson 06)."""
-    overflows = overflow_steps(steps, seed)
-    ref = scaler_trace(lambda: torch.amp.GradScaler("cpu", **SCALER_KW), steps, overflows, seed)
-    own = scaler_trace(make_scaler, steps, overflows, seed)
-    diff = [s for s in range(steps) if (own["scales"][s], own["stepped"][s]) != (ref["scales"][s], ref["stepped"][s])]
-    return {"own": own, "ref": ref, "first_difference": diff[0] if diff else None,
-            "param_error": _max_error(own["params"], ref["params"]), "n_overflows": len(overflows)}
-
-
-def master_step_check(step_fn, steps: int = 5, seed: int = 0) -> dict:
-    """The learner's `step_fn(model_params, master_params, optimizer, scaler)` against `master_step` (lesson 06).
-
-    'tiny_update': one bf16 weight 1.0, SGD lr 1e-3, gradient 1, 10 steps: the master must reach 0.99 and the model
-    weight bf16(0.99) (bf16 alone would stay at 1.0: its spacing at 1 is 2^-7). 'bf16': a bf16 GPT trained `steps`
-    steps with AdamW, masters and weights vs the reference. 'fp16': an fp16 GPT with GradScaler and an inf
-    injected at step 1 (that step must leave masters and weights unchanged)."""
-    out = {}
-    w = torch.nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
-    m = w.detach().float().clone().requires_grad_(True)
-    opt = torch.optim.SGD([m], lr=1e-3)
-    for _ in range(10):
-        w.grad = torch.ones_like(w)
-        step_fn([w], [m], opt, None)
-    out["tiny_update"] = {"master": m.item(), "model": w.item(), "grad_cleared": w.grad is None}
-    cfg = small_config()
-    batches = make_batches(cfg, 4, steps, seed)
-    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        ref = _train_master(master_step, cfg, batches, dtype, seed)
-        try:
-            own = _train_master(step_fn, cfg, batches, dtype, seed)
-        except Exception as e:  # noqa: BLE001 - a wrong step (e.g. the scaler never stepped): report, do not crash
-            out[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
-            continue
-        out[name] = {"error": None, "master_error": _max_error(own["masters"], ref["masters"]),
-                     "param_error": _max_error(own["params"], ref["params"]), "stepped": own["stepped"],
-                     "ref_stepped": ref["stepped"], "grads_left": own["grads_left"], "copied_back": own["copied_back"]}
-    return out
-
-
-def _train_master(fn, cfg, batches, dtype, seed) -> dict:
-    """Train a `dtype` GPT with `MasterWeightOptimizer(step_fn=fn)`, AdamW lr 1e-2; fp16 with GradScaler and an
-    inf injected at step 1."""
-    model = build_model(cfg, seed).to(dtype)
-    mp = MasterWeightOptimizer(model, torch.optim.AdamW, step_fn=fn, lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", **SCALER_KW) if dtype == torch.float16 else None
-    stepped = []
-    for i, (x, y) in enumerate(batches):
-        loss = model.loss(x, y)
-        (scaler.scale(loss) if scaler else loss).backward()
-        if scaler and i == 1:
-            _inject(mp.params, "inf", i)
-        before = [q.detach().clone() for q in mp.masters]
-        mp.step(scaler)
-        stepped.append(not all(torch.equal(b, q) for b, q in zip(before, mp.masters)))
-        if scaler:
-            scaler.update()
-    return {"masters": [q.detach().clone() for q in mp.masters],
-            "params": [p.detach().float().clone() for p in mp.params], "stepped": stepped,
-            "grads_left": sum(p.grad is not None for p in mp.params),
-            "copied_back": all(torch.equal(p.detach(), q.detach().to(dtype)) for p, q in zip(mp.params, mp.masters))}

@@ -1,0 +1,76 @@
+"""Lesson 03's figures: the Gantt chart of a pipelined step, the bubble over m, activation peaks.
+
+Each returns the ``Figure``; titles name the hardware and backend.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from course_lib.lessons.common import COLORS
+from course_lib.parallel.pipeline_schedules import bubble_of
+
+__all__ = ["pipeline_gantt", "bubble_figure", "activation_peaks_figure"]
+
+
+def pipeline_gantt(timelines: list[list[dict]], hardware: str, title: str = "Pipeline timeline", ax=None,
+                   xlabel: str = "time (s)"):
+    """Gantt chart of one pipelined step: a row per rank, forward (blue) and backward (orange) boxes
+    labelled with their micro-batch, idle time left blank (lesson 03). ``timelines[rank]`` holds dicts
+    ``kind, mb, start, end`` (seconds or any unit) as returned by ``run_schedule`` or ``simulate``."""
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(8, 0.55 * len(timelines) + 1.2))
+    colors = {"F": COLORS["compute"], "B": COLORS["communication"]}
+    t0 = min(op["start"] for ops in timelines for op in ops)
+    span = max(op["end"] for ops in timelines for op in ops) - t0
+    for rank, ops in enumerate(timelines):
+        ax.barh(rank, span, left=0, color=COLORS["idle"], alpha=0.35, height=0.8)
+        for op in ops:
+            w = op["end"] - op["start"]
+            ax.barh(rank, w, left=op["start"] - t0, color=colors[op["kind"]], edgecolor="white", height=0.8)
+            if w > span / 60:
+                ax.text(op["start"] - t0 + w / 2, rank, f"{op['kind']}{op['mb']}", ha="center", va="center",
+                        fontsize=7, color="white")
+    ax.set_yticks(range(len(timelines)), [f"rank {r}" for r in range(len(timelines))])
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(f"{title} (idle {bubble_of(timelines):.0%}: grey)\n{hardware}", fontsize=9)
+    if fig is not None:
+        fig.tight_layout()
+    return fig if fig is not None else ax.figure
+
+
+def bubble_figure(rows: list[dict], p: int, hardware: str):
+    """Measured bubble fraction against (p-1)/(m+p-1) over the number of micro-batches m (lesson 03).
+    ``rows``: dicts ``kind, m, bubble`` (measured)."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ms = sorted({r["m"] for r in rows})
+    grid = np.linspace(min(ms), max(ms), 100)
+    ax.plot(grid, (p - 1) / (grid + p - 1), "k--", label=f"formula (p-1)/(m+p-1), p={p}")
+    for kind, marker in (("gpipe", "o"), ("1f1b", "s"), ("naive", "^")):
+        pts = sorted((r["m"], r["bubble"]) for r in rows if r["kind"] == kind)
+        if pts:
+            ax.plot(*zip(*pts), marker, label=f"measured, {kind}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble (idle fraction)")
+    ax.set_title(f"Pipeline bubble over m\n{hardware}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def activation_peaks_figure(peaks: dict[str, list[float]], ms: list[int], hardware: str, unit: float = 1e6,
+                     unit_name: str = "MB"):
+    """Peak saved-activation memory on one rank over m, one line per schedule (lesson 03)."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, values in peaks.items():
+        ax.plot(ms, [v / unit for v in values], "o-", label=name)
+    ax.set_xlabel("micro-batches m (fixed micro-batch size)")
+    ax.set_ylabel(f"peak activations ({unit_name})")
+    ax.set_title(f"Activation memory held at the peak\n{hardware}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,83 @@
+"""What the graded exercises of lesson 06 call (solutions/06_mixed_precision.ipynb).
+
+- `scaler_vs_gradscaler`: the learner's loss scaler and `torch.amp.GradScaler` driven side by side through the
+  same steps and injected overflows (`experiments.scaler_trace`): the first step where they differ.
+- `master_step_vs_reference`: the learner's master-weight update against `course_lib.parallel.precision.master_step`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from course_lib.data import random_batches
+from course_lib.lessons.common import max_abs_error, small_config
+from course_lib.lessons.l06_mixed_precision.experiments import (SCALER_KW, inject_overflow, overflow_steps,
+                                                                scaler_trace)
+from course_lib.model import build_model
+from course_lib.parallel.precision import MasterWeightOptimizer, master_step
+
+__all__ = ["scaler_vs_gradscaler", "master_step_vs_reference"]
+
+
+def scaler_vs_gradscaler(make_scaler, steps: int = 200, seed: int = 0) -> dict:
+    """Run `make_scaler()` and `torch.amp.GradScaler("cpu")` with the same settings (`SCALER_KW`) over `steps`
+    steps with the same injected overflows; what the graded test compares (lesson 06)."""
+    overflows = overflow_steps(steps, seed)
+    ref = scaler_trace(lambda: torch.amp.GradScaler("cpu", **SCALER_KW), steps, overflows, seed)
+    own = scaler_trace(make_scaler, steps, overflows, seed)
+    diff = [s for s in range(steps) if (own["scales"][s], own["stepped"][s]) != (ref["scales"][s], ref["stepped"][s])]
+    return {"own": own, "ref": ref, "first_difference": diff[0] if diff else None,
+            "param_error": max_abs_error(own["params"], ref["params"]), "n_overflows": len(overflows)}
+
+
+def master_step_vs_reference(step_fn, steps: int = 5, seed: int = 0) -> dict:
+    """The learner's `step_fn(model_params, master_params, optimizer, scaler)` against `master_step` (lesson 06).
+
+    'tiny_update': one bf16 weight 1.0, SGD lr 1e-3, gradient 1, 10 steps: the master must reach 0.99 and the model
+    weight bf16(0.99) (bf16 alone would stay at 1.0: its spacing at 1 is 2^-7). 'bf16': a bf16 GPT trained `steps`
+    steps with AdamW, masters and weights vs the reference. 'fp16': an fp16 GPT with GradScaler and an inf
+    injected at step 1 (that step must leave masters and weights unchanged)."""
+    out = {}
+    w = torch.nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
+    m = w.detach().float().clone().requires_grad_(True)
+    opt = torch.optim.SGD([m], lr=1e-3)
+    for _ in range(10):
+        w.grad = torch.ones_like(w)
+        step_fn([w], [m], opt, None)
+    out["tiny_update"] = {"master": m.item(), "model": w.item(), "grad_cleared": w.grad is None}
+    cfg = small_config()
+    batches = random_batches(cfg, 4, steps, seed)
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        ref = _train_master(master_step, cfg, batches, dtype, seed)
+        try:
+            own = _train_master(step_fn, cfg, batches, dtype, seed)
+        except Exception as e:  # noqa: BLE001 - a wrong step (e.g. the scaler never stepped): report, do not crash
+            out[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            continue
+        out[name] = {"error": None, "master_error": max_abs_error(own["masters"], ref["masters"]),
+                     "param_error": max_abs_error(own["params"], ref["params"]), "stepped": own["stepped"],
+                     "ref_stepped": ref["stepped"], "grads_left": own["grads_left"], "copied_back": own["copied_back"]}
+    return out
+
+
+def _train_master(fn, cfg, batches, dtype, seed) -> dict:
+    """Train a `dtype` GPT with `MasterWeightOptimizer(step_fn=fn)`, AdamW lr 1e-2; fp16 with GradScaler and an
+    inf injected at step 1."""
+    model = build_model(cfg, seed).to(dtype)
+    mp = MasterWeightOptimizer(model, torch.optim.AdamW, step_fn=fn, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", **SCALER_KW) if dtype == torch.float16 else None
+    stepped = []
+    for i, (x, y) in enumerate(batches):
+        loss = model.loss(x, y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler and i == 1:
+            inject_overflow(mp.params, "inf", i)
+        before = [q.detach().clone() for q in mp.masters]
+        mp.step(scaler)
+        stepped.append(not all(torch.equal(b, q) for b, q in zip(before, mp.masters)))
+        if scaler:
+            scaler.update()
+    return {"masters": [q.detach().clone() for q in mp.masters],
+            "params": [p.detach().float().clone() for p in mp.params], "stepped": stepped,
+            "grads_left": sum(p.grad is not None for p in mp.params),
+            "copied_back": all(torch.equal(p.detach(), q.detach().to(dtype)) for p, q in zip(mp.params, mp.masters))}

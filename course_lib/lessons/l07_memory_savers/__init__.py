@@ -1,0 +1,1 @@
+"""Lesson 07, memory savers: checkpointing, accumulation, offload, attention (notebooks/07_memory_savers.ipynb)."""
