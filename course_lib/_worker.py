@@ -90,7 +90,15 @@ def main() -> int:
 
         with open(os.path.join(run_dir, "payload.pkl"), "rb") as f:
             fn, args, kwargs = cloudpickle.load(f)
-        value = fn(*args, **kwargs)
+        posts = None
+        if os.environ.get("COURSE_NCCL_RULES") == "1":      # the test command: check NCCL's rules on gloo
+            from course_lib import nccl_rules
+
+            with nccl_rules.enforced((args, kwargs)) as state:
+                value = fn(*args, **kwargs)
+            posts = state.groups                             # replayed by the launcher once every rank is done
+        else:
+            value = fn(*args, **kwargs)
         timings["work_done"] = time.time()
 
         from course_lib import dist as cdist
@@ -98,7 +106,7 @@ def main() -> int:
         value = torch.utils._pytree.tree_map(
             lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
         record = {"value": value, "timings": timings, "device": cdist.device_name(),
-                  "threads": torch.get_num_threads()}
+                  "threads": torch.get_num_threads(), "p2p": posts}
         write_atomic(os.path.join(run_dir, f"result{rank}.pkl"), cloudpickle.dumps(record))
         sys.stdout.flush()
         try:

@@ -1,6 +1,7 @@
-"""The ``course`` command: doctor | lab | run | build | grade.
+"""The ``course`` command: doctor | gpu-check | lab | run | build | grade.
 
     course doctor          check this machine: versions, devices, backends, a real 2-rank job
+    course gpu-check       the instructor's self-test of a (GPU) node: a table of checks, non-zero exit on a failure
     course lab             open JupyterLab on the course index
     course run 02          execute lesson 02 headless (progress bar), keep the executed copy
     course build [--check] write exercises/ from solutions/
@@ -75,6 +76,8 @@ def doctor(nprocs: int = 2, timeout_s: float = 120) -> int:
     line("cuda", f"{torch.version.cuda} with {len(gpus)} GPU(s): {', '.join(gpus)}" if cuda else
          "not available (CPU only: lessons run on gloo)")
     line("gloo / nccl", f"{dist.is_gloo_available()} / {dist.is_nccl_available()}")
+    line("backend of a run", f"NCCL (a GPU per rank) for up to {len(gpus)} ranks, gloo on the CPU beyond" if gpus else
+         "gloo on the CPU (no GPU)")
     if not dist.is_gloo_available():
         problems.append("torch was built without gloo: install the official torch wheel from PyPI")
     n = min(nprocs, len(gpus)) if cuda and len(gpus) >= 2 else nprocs
@@ -211,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check versions, devices, backends and run a real 2-rank job")
     p.add_argument("--nprocs", type=int, default=2)
     p.set_defaults(func=lambda a: doctor(a.nprocs))
+
+    p = sub.add_parser("gpu-check", help="self-test of this node: launcher, collectives, hang canaries, peak, memory")
+    p.add_argument("--timeout", type=float, default=90.0, help="seconds per distributed check (default 90)")
+    p.set_defaults(func=lambda a: __import__("course_lib.gpu_check", fromlist=["main"]).main(a.timeout))
 
     p = sub.add_parser("lab", help="open JupyterLab on the course index (extra args go to jupyter lab)")
     p.set_defaults(func=lambda a: lab(a.extra))

@@ -76,6 +76,7 @@ class RunResult:
     timings: list[dict | None]  # per rank: absolute times of process start, imports, rendezvous, work
     launch_time: float  # absolute time the launcher was started
     threads_per_rank: int = 1
+    p2p_posts: list | None = None  # per rank, its point-to-point posts, when NCCL's rules were checked
 
     @property
     def value(self) -> Any:
@@ -254,7 +255,7 @@ class _Streamer:
 
 def _collect(run_dir: Path, nprocs: int, backend: str, wall_s: float, launch_time: float,
              threads: int) -> RunResult:
-    returns, devices, timings = [], [], []
+    returns, devices, timings, posts = [], [], [], []
     for r in range(nprocs):
         path = run_dir / f"result{r}.pkl"
         record = None
@@ -267,8 +268,10 @@ def _collect(run_dir: Path, nprocs: int, backend: str, wall_s: float, launch_tim
         returns.append(record["value"] if record else None)
         devices.append(record["device"] if record else None)
         timings.append(record["timings"] if record else None)
+        posts.append(record.get("p2p") if record else None)
     logs = [run_dir / f"rank{r}.log" for r in range(nprocs)]
-    return RunResult(returns, logs, wall_s, backend, devices, nprocs, run_dir, timings, launch_time, threads)
+    return RunResult(returns, logs, wall_s, backend, devices, nprocs, run_dir, timings, launch_time, threads,
+                     posts if any(p is not None for p in posts) else None)
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -380,6 +383,14 @@ def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, 
             rank=lagging[0] if lagging else None, traceback="", partial=result)
     if len(done) < nprocs or (proc.returncode != 0 and state != "done"):
         raise _failure(result, launcher_log, proc.returncode)
+    if result.p2p_posts is not None:                  # the ranks checked NCCL's rules: replay their messages
+        from course_lib.nccl_rules import replay_pairs
+
+        found = replay_pairs(result.p2p_posts)
+        if found:
+            raise DistributedRunError("NCCL's rules (course_lib/nccl_rules.py, rule 2), which gloo forgives: "
+                                      + "; ".join(found) + f"\nlogs: {run_dir}", rank=None, traceback="",
+                                      partial=result)
     return result
 
 

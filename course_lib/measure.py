@@ -4,7 +4,8 @@ Everything a lesson prints as "measured" comes from here, always together with
 :func:`hardware_label`, so that every number names the machine and backend it came from.
 
 - Time: :class:`Timer` and :func:`time_fn` (warm-up, then the median of several repeats; on GPU
-  ``torch.cuda.synchronize`` before reading the clock, because kernels run asynchronously).
+  ``torch.cuda.synchronize`` before reading the clock, because kernels run asynchronously); :class:`Stopwatch`
+  (CUDA events, never a synchronize) for work between point-to-point messages.
 - Compute: :func:`count_flops` (``torch.utils.flop_counter.FlopCounterMode`` with the CPU attention
   kernel registered), :func:`mfu`, the datasheet table :data:`GPU_SPECS` and
   :func:`measure_peak_matmul_flops` for a CPU (which has no datasheet number that matters);
@@ -26,6 +27,7 @@ import collections
 import contextlib
 import functools
 import platform
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,6 +35,8 @@ from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+
+from course_lib import nccl_rules
 
 # ---------------------------------------------------------------------------------------------
 # Hardware: datasheet peaks and a label for every printed number
@@ -57,30 +61,79 @@ class GPUSpec:
     source: str
 
 
-# Vendor datasheets (dense numbers; NVIDIA lists "with sparsity" figures, which are 2x these).
+# Vendor datasheets and whitepapers (dense numbers; NVIDIA lists "with sparsity" figures, which are 2x these).
+_NVLINK3, _NVLINK4 = "NVLink 3 (600 GB/s bidirectional)", "NVLink 4 (900 GB/s bidirectional)"
+_PCIE3, _PCIE4, _PCIE5 = ("PCIe Gen3 x16 (32 GB/s bidirectional)", "PCIe Gen4 x16 (64 GB/s bidirectional)",
+                          "PCIe Gen5 x16 (128 GB/s bidirectional)")
 GPU_SPECS: dict[str, GPUSpec] = {
-    "V100": GPUSpec("V100 SXM2 32GB", 125.0, 32, 900, 150, "NVLink 2 (300 GB/s bidirectional)",
+    "V100": GPUSpec("V100 SXM2 (16 or 32GB)", 125.0, 32, 900, 150, "NVLink 2 (300 GB/s bidirectional)",
                     "NVIDIA Tesla V100 datasheet (2020): 125 TFLOPS tensor (fp16); no bf16 support"),
-    "A100": GPUSpec("A100 SXM4 80GB", 312.0, 80, 2039, 300, "NVLink 3 (600 GB/s bidirectional)",
+    "V100 PCIe": GPUSpec("V100 PCIe (16 or 32GB)", 112.0, 32, 900, 16, _PCIE3,
+                         "NVIDIA Tesla V100 datasheet (2020): PCIe 112 TFLOPS tensor (fp16); no bf16 support"),
+    "V100S": GPUSpec("V100S PCIe 32GB", 130.0, 32, 1134, 16, _PCIE3,
+                     "NVIDIA Tesla V100S datasheet (2019): 130 TFLOPS tensor (fp16); no bf16 support"),
+    "T4": GPUSpec("T4 16GB", 65.0, 16, 320, 16, _PCIE3,
+                  "NVIDIA T4 datasheet (2019): mixed-precision (fp16/fp32) tensor 65 TFLOPS; no bf16 support"),
+    "A100": GPUSpec("A100 SXM4 80GB", 312.0, 80, 2039, 300, _NVLINK3,
                     "NVIDIA A100 datasheet (2021): BF16 tensor core 312 TFLOPS (624 with sparsity)"),
-    "H100": GPUSpec("H100 SXM5 80GB", 989.4, 80, 3350, 450, "NVLink 4 (900 GB/s bidirectional)",
+    "A100 40GB": GPUSpec("A100 SXM4 40GB", 312.0, 40, 1555, 300, _NVLINK3,
+                         "NVIDIA A100 datasheet (2021): BF16 tensor core 312 TFLOPS; 40GB HBM2 1,555 GB/s"),
+    "A100 PCIe": GPUSpec("A100 PCIe 80GB", 312.0, 80, 1935, 32, _PCIE4,
+                         "NVIDIA A100 datasheet (2021): BF16 tensor core 312 TFLOPS; 80GB PCIe 1,935 GB/s"),
+    "A100 PCIe 40GB": GPUSpec("A100 PCIe 40GB", 312.0, 40, 1555, 32, _PCIE4,
+                              "NVIDIA A100 datasheet (2021): BF16 tensor core 312 TFLOPS; 40GB PCIe 1,555 GB/s"),
+    "H100": GPUSpec("H100 SXM5 80GB", 989.4, 80, 3350, 450, _NVLINK4,
                     "NVIDIA H100 datasheet (2023): BF16 tensor core 1,979 TFLOPS with sparsity = 989 dense"),
-    "H200": GPUSpec("H200 SXM 141GB", 989.4, 141, 4800, 450, "NVLink 4 (900 GB/s bidirectional)",
+    "H100 PCIe": GPUSpec("H100 PCIe 80GB", 756.0, 80, 2000, 64, _PCIE5,
+                         "NVIDIA H100 datasheet (2023): PCIe BF16 tensor core 1,513 TFLOPS with sparsity = 756 dense"),
+    "H100 NVL": GPUSpec("H100 NVL 94GB", 835.5, 94, 3900, 300, "NVLink bridge (600 GB/s bidirectional)",
+                        "NVIDIA H100 datasheet (2023): H100 NVL BF16 tensor core 1,671 TFLOPS with sparsity = "
+                        "835.5 dense"),
+    "H200": GPUSpec("H200 SXM 141GB", 989.4, 141, 4800, 450, _NVLINK4,
                     "NVIDIA H200 datasheet (2024): BF16 tensor core 1,979 TFLOPS with sparsity = 989 dense"),
-    "L4": GPUSpec("L4 24GB", 121.0, 24, 300, 32, "PCIe Gen4 x16 (64 GB/s bidirectional)",
+    "H200 NVL": GPUSpec("H200 NVL 141GB", 835.5, 141, 4800, 450, "NVLink bridge (900 GB/s bidirectional)",
+                        "NVIDIA H200 datasheet (2024): H200 NVL BF16 tensor core 1,671 TFLOPS with sparsity = "
+                        "835.5 dense"),
+    "GH200": GPUSpec("GH200 96GB HBM3 (Hopper GPU)", 989.4, 96, 4000, 450, _NVLINK4,
+                     "NVIDIA GH200 Grace Hopper Superchip datasheet (2023): BF16 tensor core 1,979 TFLOPS with "
+                     "sparsity = 989 dense; 96GB HBM3, 4 TB/s"),
+    "L4": GPUSpec("L4 24GB", 121.0, 24, 300, 32, _PCIE4,
                   "NVIDIA L4 datasheet (2023): BF16 tensor core 242 TFLOPS with sparsity = 121 dense"),
-    "RTX 4090": GPUSpec("GeForce RTX 4090 24GB", 165.2, 24, 1008, 32, "PCIe Gen4 x16 (64 GB/s bidirectional)",
+    "L40": GPUSpec("L40 48GB", 181.05, 48, 864, 32, _PCIE4,
+                   "NVIDIA L40 datasheet (2022): BF16 tensor core 362.1 TFLOPS with sparsity = 181.05 dense"),
+    "L40S": GPUSpec("L40S 48GB", 362.05, 48, 864, 32, _PCIE4,
+                    "NVIDIA L40S datasheet (2023): BF16 tensor core 733 TFLOPS with sparsity = 362.05 dense"),
+    "RTX 3090": GPUSpec("GeForce RTX 3090 24GB", 71.0, 24, 936, 32, _PCIE4,
+                        "NVIDIA Ampere GA102 GPU architecture whitepaper v2 (2021): RTX 3090 peak BF16 tensor TFLOPS "
+                        "with FP32 accumulate 71 (142 with sparsity)"),
+    "RTX 4090": GPUSpec("GeForce RTX 4090 24GB", 165.2, 24, 1008, 32, _PCIE4,
                         "NVIDIA Ada Lovelace architecture whitepaper v1.0 (2022), table 2: "
                         "peak BF16 tensor TFLOPS with FP32 accumulate 165.2 (330.4 with sparsity)"),
+    "RTX 5090": GPUSpec("GeForce RTX 5090 32GB", 209.5, 32, 1792, 64, _PCIE5,
+                        "NVIDIA RTX Blackwell GPU architecture whitepaper (2025): RTX 5090 peak FP16/BF16 tensor "
+                        "TFLOPS with FP32 accumulate 209.5 (419 with sparsity)"),
 }
+
+# How CUDA names these devices (torch.cuda.get_device_name), most specific first: the form factor decides the peak
+# (an H100 PCIe is not an H100 SXM), so a name matches a row only by its whole model number and form factor.
+_GPU_NAMES = [(re.compile(p, re.I), key) for p, key in (
+    (r"\bV100S\b", "V100S"), (r"\bV100\b.*\bPCIE\b", "V100 PCIe"), (r"\bV100\b", "V100"), (r"\bT4\b", "T4"),
+    (r"\bA100\b(?=.*\bPCIE\b)(?=.*\b40GB\b)", "A100 PCIe 40GB"), (r"\bA100\b.*\bPCIE\b", "A100 PCIe"),
+    (r"\bA100\b.*\b40GB\b", "A100 40GB"), (r"\bA100\b", "A100"),
+    (r"\bGH200\b", "GH200"), (r"\bH100\b.*\bPCIE\b", "H100 PCIe"), (r"\bH100\b.*\bNVL\b", "H100 NVL"),
+    (r"\bH100\b", "H100"), (r"\bH200\b.*\bNVL\b", "H200 NVL"), (r"\bH200\b", "H200"),
+    (r"\bL40S\b", "L40S"), (r"\bL40\b", "L40"), (r"\bL4\b", "L4"),
+    (r"\bRTX 3090\b", "RTX 3090"), (r"\bRTX 4090\b", "RTX 4090"), (r"\bRTX 5090\b", "RTX 5090"))]
 
 
 def gpu_spec(device_name: str) -> GPUSpec | None:
-    """The :data:`GPU_SPECS` entry whose key appears in a CUDA device name (e.g. "NVIDIA H100 80GB HBM3")."""
-    name = device_name.upper().replace("GEFORCE ", "")
-    # Longest key first so that "H100" does not swallow a longer, more specific key.
-    for key in sorted(GPU_SPECS, key=len, reverse=True):
-        if key.upper() in name:
+    """The :data:`GPU_SPECS` row of a CUDA device name ("NVIDIA H100 80GB HBM3" -> H100 SXM5, "NVIDIA H100 PCIe" ->
+    H100 PCIe, "NVIDIA L40S" -> L40S, "NVIDIA GH200 480GB" -> GH200), or None for a device the table does not know
+    (an AMD MI300X, a laptop GPU): then the course measures the peak instead of guessing a row."""
+    if re.search(r"\b(Laptop|Mobile|Max-Q)\b", device_name, re.I):    # same model number, a fraction of the power
+        return None
+    for pattern, key in _GPU_NAMES:
+        if pattern.search(device_name):
             return GPU_SPECS[key]
     return None
 
@@ -157,8 +210,13 @@ def hardware_label(backend: str | None = None, device: torch.device | str | None
     'CPU: AMD EPYC, 2 cores, 2 threads, torch 2.14.1, gloo'
     >>> hardware_label()         # on a GPU node  # doctest: +SKIP
     'NVIDIA H100 80GB HBM3, torch 2.14.1, CUDA 13.0, NCCL'
+
+    Without a device: the CPU for a gloo run (its ranks compute on the CPU even on a GPU machine), else the GPU
+    when there is one.
     """
-    device = torch.device(device) if device is not None else default_device()
+    if device is None:
+        device = torch.device("cpu") if (backend or "").lower() == "gloo" else default_device()
+    device = torch.device(device)
     tv = torch.__version__.split("+")[0]
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -176,7 +234,9 @@ def hardware_label(backend: str | None = None, device: torch.device | str | None
 
 
 def synchronize(device: torch.device | str | None = None) -> None:
-    """Wait for queued GPU work (no-op on CPU)."""
+    """Wait for queued GPU work (no-op on CPU). Never while a receive is pending: on a GPU this waits for NCCL's
+    streams too (`course_lib.nccl_rules`, rule 3, checks it on CPU runs)."""
+    nccl_rules.note_synchronize()
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
         torch.cuda.synchronize(device)
 
@@ -202,6 +262,45 @@ class Timer:
     def __exit__(self, *exc) -> None:
         synchronize(self.device)
         self.seconds = time.perf_counter() - self._t0
+
+
+class Stopwatch:
+    """Timestamps of device work that never block the host while it runs: CUDA events on a GPU, read once the work
+    is done; ``time.perf_counter`` on a CPU. Every process of a machine shares perf_counter's clock, so the ranks'
+    timelines line up; on a GPU each rank's events are placed on that clock by one reference point, taken when the
+    stopwatch is made (make it when nothing is pending, e.g. right after a barrier).
+
+        clock = Stopwatch(device)
+        t0 = clock.stamp(); work(); t1 = clock.stamp()
+        clock.seconds(t1) - clock.seconds(t0)    # on a GPU: waits for the events, so call it after the work
+
+    Unlike `Timer`, it never calls ``torch.cuda.synchronize()``, which would wait for NCCL's pending receives too
+    (`course_lib.nccl_rules`, rule 3): the way to time work between point-to-point messages (lesson 03).
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        device = torch.device(device) if device is not None else default_device()
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.reference = torch.cuda.Event(enable_timing=True)
+            self.reference.record()
+            self.reference.synchronize()
+        self.t_reference = time.perf_counter()
+
+    def stamp(self):
+        """Now, on the device's timeline: a float (CPU) or a recorded CUDA event (GPU)."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, stamp) -> float:
+        """A stamp as ``time.perf_counter`` seconds (on a GPU, once its event has happened)."""
+        if not self.cuda:
+            return stamp
+        stamp.synchronize()
+        return self.t_reference + self.reference.elapsed_time(stamp) / 1e3
 
 
 def time_fn(fn: Callable[[], object], warmup: int = 2, repeats: int = 5,
@@ -394,24 +493,26 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
 
 
 def live_tensor_bytes(device: torch.device | str | None = None) -> int:
-    """Bytes of every tensor alive in this process (storages deduplicated; DTensors counted by their local
-    shard; on CUDA: the allocator's allocated bytes; ``device`` defaults to this rank's, `dist.device()`). The one measurement that treats every library alike:
-    whatever it keeps (buckets, flat buffers, optimizer state), it keeps in tensors. A walk over every Python
-    object: about 0.3 s on a CPU (lesson 05)."""
+    """Bytes of every tensor alive in this process on `device` (storages deduplicated; DTensors counted by their local
+    shard; ``device`` defaults to this rank's, `dist.device()`). The one measurement that treats every library alike,
+    on a CPU and on a GPU: whatever it keeps (buckets, flat buffers, optimizer state), it keeps in tensors. Not the
+    CUDA allocator's count, which adds its rounding and caches and so differs from the formulas by more than the
+    model state of a small model. A walk over every Python object: about 0.3 s on a CPU (lesson 05)."""
     import gc
 
     from course_lib import dist
 
     device = torch.device(device) if device is not None else dist.device()   # this rank's device
-    if device.type == "cuda":
-        synchronize(device)
-        return torch.cuda.memory_allocated(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     gc.collect()
     tensors = []
     for obj in gc.get_objects():
         try:
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
-                tensors.append(obj.to_local() if hasattr(obj, "to_local") else obj)
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                local = obj.to_local() if hasattr(obj, "to_local") else obj
+                if local.device == device:
+                    tensors.append(local)
         except Exception:  # noqa: BLE001 - objects half torn down by gc
             continue
     return unique_bytes(tensors, set())

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from course_lib import dist as cdist
 from course_lib.data import random_batches
 from course_lib.launch import run
 from course_lib.lessons.common import small_config, train_reference
@@ -89,7 +90,7 @@ def _two_rank_checks(cfg, batches):
     out["torch10"] = ddp_lab.rank_train(cfg, ten, mode="torch", bucket_cap_mb=0.01)
     ring = []
     for numel in RING_SIZES:
-        t = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank() + 10 * numel))
+        t = torch.randn(numel, generator=torch.Generator().manual_seed(dist.get_rank() + 10 * numel)).to(cdist.device())
         expected = t.clone()
         dist.all_reduce(expected)
         counter = ByteCounter()
@@ -173,13 +174,13 @@ def _four_rank_checks(cfg, batches, batches6):
             continue
         for numel in RING_SIZES:
             shape = (numel,) if numel % 3 else (3, numel // 3)         # shapes other than 1-D too
-            base = torch.arange(numel, dtype=torch.float32).reshape(shape)
+            base = torch.arange(numel, dtype=torch.float32, device=cdist.device()).reshape(shape)
             t = base * (r + 1) + 0.5                                   # integers + 0.5: sums are exact
             counter = ByteCounter()
             ring_all_reduce(t, group=group, counter=counter)
             expected = base * (n * (n + 1) / 2) + 0.5 * n
             ring.append((n, numel, torch.equal(t, expected), counter.bytes_sent))
-    avg = torch.full((5, 3), float(r))
+    avg = torch.full((5, 3), float(r), device=cdist.device())
     ring_all_reduce(avg, average=True)
     out = {"ring": ring, "average": avg,
            "ddp4": ddp_lab.rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=0.01)}

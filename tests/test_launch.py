@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from course_lib import dist as cdist
 from course_lib import procs
+from course_lib.dist import pick_backend
 from course_lib.launch import DistributedRunError, LaunchError, RunInterrupted, RunTimeout, run, run_script
 
 
@@ -38,7 +40,7 @@ def no_leftovers():
 
 
 def _rank_info(scale):
-    t = torch.tensor([float(dist.get_rank() + 1)])
+    t = torch.tensor([float(dist.get_rank() + 1)], device=cdist.device())   # NCCL takes tensors on the rank's GPU
     dist.all_reduce(t)
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item() * scale,
             "threads": torch.get_num_threads(), "backend": dist.get_backend()}
@@ -48,11 +50,13 @@ def test_four_ranks_return_values_and_logs():
     res = run(_rank_info, 4, args=(2.0,), stream=False)
     assert [r["rank"] for r in res.returns] == [0, 1, 2, 3]
     assert all(r["world"] == 4 and r["sum"] == 20.0 for r in res.returns)  # (1+2+3+4) * 2
-    assert res.backend == "gloo" and all(r["backend"] == "gloo" for r in res.returns)
+    backend = pick_backend(4)                    # gloo here; NCCL on a machine with 4 GPUs
+    assert res.backend == backend and all(r["backend"] == backend for r in res.returns)
     cores = procs.usable_cores()
     assert all(r["threads"] == max(1, cores // 4) for r in res.returns)
     assert len(res.logs) == 4 and all(p.exists() for p in res.logs)
-    assert res.devices == ["cpu"] * 4
+    gpus = [torch.cuda.get_device_name(r) for r in range(4)] if backend == "nccl" else ["cpu"] * 4
+    assert res.devices == gpus
     assert set(res.breakdown()) >= {"imports (torch)", "work"}
 
 

@@ -25,16 +25,38 @@ def test_throughput_and_mfu():
     assert measure.mfu(50e12, 100e12) == pytest.approx(0.5)
 
 
-def test_gpu_table_and_lookup():
-    assert measure.gpu_spec("NVIDIA H100 80GB HBM3").bf16_tflops == pytest.approx(989.4)
-    assert measure.gpu_spec("NVIDIA A100-SXM4-80GB").bf16_tflops == 312
-    assert measure.gpu_spec("NVIDIA GeForce RTX 4090").name.startswith("GeForce RTX 4090")
+# What torch.cuda.get_device_name returns on each device, and the row (and dense bf16 peak) it must get. A name
+# matched by substring would give an L40S the L4's row (3x too high an MFU) and an H100 PCIe the SXM's.
+DEVICE_NAMES = {
+    "NVIDIA A100-SXM4-40GB": ("A100 SXM4 40GB", 312.0), "NVIDIA A100-SXM4-80GB": ("A100 SXM4 80GB", 312.0),
+    "NVIDIA A100-PCIE-40GB": ("A100 PCIe 40GB", 312.0), "NVIDIA A100 80GB PCIe": ("A100 PCIe 80GB", 312.0),
+    "NVIDIA H100 80GB HBM3": ("H100 SXM5 80GB", 989.4), "NVIDIA H100 PCIe": ("H100 PCIe 80GB", 756.0),
+    "NVIDIA H100 NVL": ("H100 NVL 94GB", 835.5), "NVIDIA H200": ("H200 SXM 141GB", 989.4),
+    "NVIDIA H200 NVL": ("H200 NVL 141GB", 835.5), "NVIDIA GH200 480GB": ("GH200 96GB HBM3 (Hopper GPU)", 989.4),
+    "NVIDIA L4": ("L4 24GB", 121.0), "NVIDIA L40": ("L40 48GB", 181.05), "NVIDIA L40S": ("L40S 48GB", 362.05),
+    "NVIDIA GeForce RTX 3090": ("GeForce RTX 3090 24GB", 71.0),
+    "NVIDIA GeForce RTX 4090": ("GeForce RTX 4090 24GB", 165.2),
+    "NVIDIA GeForce RTX 5090": ("GeForce RTX 5090 32GB", 209.5),
+    "Tesla V100-SXM2-32GB": ("V100 SXM2 (16 or 32GB)", 125.0),
+    "Tesla V100-PCIE-16GB": ("V100 PCIe (16 or 32GB)", 112.0), "Tesla T4": ("T4 16GB", 65.0),
+}
+
+
+@pytest.mark.parametrize("device_name", list(DEVICE_NAMES))
+def test_gpu_spec_matches_model_and_form_factor(device_name):
+    row, tflops = DEVICE_NAMES[device_name]
+    spec = measure.gpu_spec(device_name)
+    assert spec is not None and (spec.name, spec.bf16_tflops) == (row, tflops), f"{device_name} -> {spec}"
+
+
+def test_gpu_table_and_unknown_devices():
+    for name in ("AMD Instinct MI300X", "NVIDIA GeForce RTX 4090 Laptop GPU", "Some Other Accelerator", "cpu"):
+        assert measure.gpu_spec(name) is None, name        # measured, never guessed
     assert measure.gpu_spec("NVIDIA H200").mem_gb == 141
-    assert measure.gpu_spec("Some Other Accelerator") is None
-    for key in ("A100", "H100", "H200", "V100", "L4", "RTX 4090"):
-        spec = measure.GPU_SPECS[key]
-        assert spec.bf16_tflops > 0 and spec.mem_bw_gbs > 0
-        assert "datasheet" in spec.source or "whitepaper" in spec.source
+    for key, spec in measure.GPU_SPECS.items():
+        assert spec.bf16_tflops > 0 and spec.mem_bw_gbs > 0 and spec.link_gbs > 0, key
+        assert "datasheet" in spec.source or "whitepaper" in spec.source, key
+        assert measure.gpu_spec(f"NVIDIA {key}") is spec, key             # every row can be reached
 
 
 def test_hardware_label_names_backend():

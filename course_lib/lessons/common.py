@@ -26,13 +26,15 @@ import torch.nn as nn
 
 from course_lib import dist as cdist
 from course_lib.config import ModelConfig
-from course_lib.measure import cpu_features, live_tensor_bytes, model_state_bytes, synchronize, unique_bytes
+from course_lib.dist import pick_backend
+from course_lib.measure import (cpu_features, live_tensor_bytes, model_state_bytes, synchronize,
+                                unique_bytes)
 from course_lib.model import build_model, lm_loss
 from course_lib.parallel.zero import ZeroOptimizer
 
-__all__ = ["COLORS", "small_config", "shard_batch", "params_of", "grads_of", "train_reference", "global_mean",
-           "relative_error", "max_relative_error", "max_abs_error", "Variant", "VARIANTS", "import_deepspeed",
-           "deepspeed_accepts_fp16", "deepspeed_config", "train_variant"]
+__all__ = ["COLORS", "small_config", "on_gpus", "by_device", "shard_batch", "params_of", "grads_of", "train_reference",
+           "global_mean", "relative_error", "max_relative_error", "max_abs_error", "Variant", "VARIANTS",
+           "import_deepspeed", "deepspeed_accepts_fp16", "deepspeed_config", "train_variant"]
 
 # One colour per part of memory and of a step's time, in every lesson's figures.
 COLORS = dict(params="#4C72B0", grads="#DD8452", optimizer="#55A868", master="#8172B3", activations="#C44E52",
@@ -100,6 +102,18 @@ def global_mean(value: torch.Tensor, group=None) -> float:
     t = value.detach().float().clone()
     dist.all_reduce(t, group=group)
     return t.item() / dist.get_world_size(group)
+
+
+def on_gpus(nprocs: int = 1) -> bool:
+    """Whether `nprocs` ranks get one GPU each on this machine (`course_lib.dist.pick_backend`)."""
+    return pick_backend(nprocs, announce=False) == "nccl"
+
+
+def by_device(cpu, gpu, nprocs: int = 1):
+    """``gpu`` when `nprocs` ranks get a GPU each here, else ``cpu``. Every experiment has a CPU size (a lesson runs in
+    minutes on a 2-core laptop) and a GPU size (large enough that the GPU computes instead of waiting for kernel
+    launches: GPT-2 124M where memory allows); the lesson prints which ran."""
+    return gpu if on_gpus(nprocs) else cpu
 
 
 # ----------------------------------------------------------------------------- errors between two runs
@@ -284,9 +298,9 @@ def _fsdp2(model, variant, opt_cls, lr, group, dev, **_) -> _Trainer:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = opt_cls(model.parameters(), lr=lr)
+    full = lambda: {k: v.full_tensor().detach().cpu().clone() for k, v in model.named_parameters()}  # noqa: E731
     return _Trainer(loss=model.loss, step=opt.step, zero_grad=lambda: opt.zero_grad(set_to_none=True),
-                    state=lambda: _state_of(model, opt),
-                    full_params=lambda: {k: v.full_tensor().detach().cpu().clone() for k, v in model.named_parameters()})
+                    state=lambda: _state_of(model, opt), full_params=full)
 
 
 def _deepspeed(model, variant, opt_cls, lr, micro_batch, **_) -> _Trainer:

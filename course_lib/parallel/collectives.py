@@ -69,16 +69,18 @@ def _global(group, group_rank: int) -> int:
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group,
               counter: ByteCounter | None) -> None:
-    """Send `send` to `right` while receiving `recv` from `left`. Non-blocking send first, so that every
-    rank of the ring can post its send before anyone waits (a ring of blocking sends could deadlock)."""
-    reqs = []
+    """Send `send` to `right` while receiving `recv` from `left`: both posted together with `dist.batch_isend_irecv`,
+    then waited for. Every rank of the ring posts its send before anyone waits (a ring of blocking sends could
+    deadlock), and at 2 ranks, where right == left, NCCL runs the send and the receive between the same two ranks as
+    one group instead of queueing one behind the other (which deadlocks once chunks are large)."""
+    ops = []
     if send.numel():
-        reqs.append(dist.isend(send, right, group=group))
+        ops.append(dist.P2POp(dist.isend, send, right, group))
         if counter is not None:
             counter.add(send)
     if recv.numel():
-        reqs.append(dist.irecv(recv, left, group=group))
-    for req in reqs:
+        ops.append(dist.P2POp(dist.irecv, recv, left, group))
+    for req in dist.batch_isend_irecv(ops) if ops else []:
         req.wait()
 
 

@@ -7,18 +7,17 @@ gradients backward; the loss is computed on the last stage.
 
 `run_schedule(stage, order, x_mbs, y_mbs)` executes one rank's list of ``("F", i)`` / ``("B", i)`` ops (from
 `course_lib.parallel.pipeline_schedules`: naive, GPipe, 1F1B) and records, for every op, its start and end
-(``time.perf_counter``: start after the input arrived, end when the compute is done, before sending) and the exact bytes of activations held for backward
-(saved-tensor hooks, `course_lib.measure.SavedActivations`). Sends are asynchronous (``isend``); each receive is
-posted one op ahead (``irecv``) so that the message travels while the current op computes, and waited for
-just before its data is used: a rank waits only for data it needs, so any dependency-respecting order runs
-without deadlock (messages between two ranks arrive in the order they were sent, which is the order of use).
+(start after the input arrived, end when the compute is done, before sending; CUDA events on a GPU) and the exact
+bytes of activations held for backward (saved-tensor hooks, `course_lib.measure.SavedActivations`). Between two ops
+a rank sends the output of the op it finished and receives the input of the next in one batch
+(``dist.batch_isend_irecv``): a rank waits only for data it needs, so any dependency-respecting order runs without
+deadlock, on gloo and on NCCL (which runs the messages between two ranks in one queue: a send and a receive between
+the same ranks posted apart can wait on each other there; see `course_lib.nccl_rules`).
 
 Papers: GPipe (Huang et al. 2019), PipeDream / 1F1B (Narayanan et al. 2019, 2021 "Megatron-LM").
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
@@ -86,8 +85,13 @@ def split_microbatches(t: torch.Tensor, m: int) -> list[torch.Tensor]:
 class P2P:
     """Point-to-point messages between neighbouring stages (ranks rank-1 and rank+1 of `group`).
 
-    Sends are ``isend`` (the handle is kept until `wait_all`), receives are blocking ``recv`` into a buffer of
-    a known shape. ``bytes_sent`` counts what this rank sent.
+    `exchange(send, recv)` posts this op's outgoing message and the next op's incoming one together with
+    ``dist.batch_isend_irecv`` and waits for both: NCCL runs the messages between two ranks in one queue, so a send
+    and a receive between the same two ranks must travel in one batch (torch.distributed.pipelining and Megatron-LM
+    post them the same way); a receive posted ahead on its own can block a send the peer needs first, a deadlock on
+    GPUs that gloo forgives (`course_lib.nccl_rules`). ``send_forward`` / ``recv_forward`` / ``send_backward`` /
+    ``recv_backward`` (asynchronous sends, blocking receives, ``wait_all`` at the end) are for schedules written by
+    hand, as in lesson 03's exercise. ``bytes_sent`` counts what this rank sent.
     """
 
     def __init__(self, rank: int, p: int, device: torch.device, group=None):
@@ -98,6 +102,22 @@ class P2P:
     def _peer(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
+    def exchange(self, send: tuple[torch.Tensor, int] | None = None, recv: tuple[tuple, int] | None = None,
+                 dtype=torch.float32) -> torch.Tensor | None:
+        """Send ``send = (tensor, to)`` and receive ``recv = (shape, from)`` (either may be None) as one batch, and
+        wait for both. Returns the received tensor (or None)."""
+        ops, buf = [], None
+        if send is not None:
+            t = send[0].detach().contiguous()
+            ops.append(dist.P2POp(dist.isend, t, self._peer(send[1]), self.group))
+            self.bytes_sent += t.numel() * t.element_size()
+        if recv is not None:
+            buf = torch.empty(recv[0], dtype=dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, buf, self._peer(recv[1]), self.group))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        return buf
+
     def send(self, t: torch.Tensor, to: int) -> None:
         t = t.detach().contiguous()
         self.pending.append((dist.isend(t, self._peer(to), group=self.group), t))   # keep t alive
@@ -107,11 +127,6 @@ class P2P:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(buf, self._peer(frm), group=self.group)
         return buf
-
-    def irecv(self, shape, frm: int, dtype=torch.float32):
-        """Post a receive now, wait for it later: returns (work, buffer); ``work.wait()`` before reading."""
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        return dist.irecv(buf, self._peer(frm), group=self.group), buf
 
     def send_forward(self, t):                 # activation to the next stage
         self.send(t, self.rank + 1)
@@ -138,6 +153,10 @@ def run_schedule(stage: Stage, order: list, x_mbs: list[torch.Tensor], y_mbs: li
     x_mbs / y_mbs: the m micro-batches of token ids / targets, (b, T) each (only the first stage reads x,
     only the last reads y). Each micro-batch's loss is divided by m, so the accumulated gradients are those
     of the mean loss over the whole batch, as on one process.
+    Between two ops the rank sends the previous op's output and receives the next op's input in one batch
+    (`P2P.exchange`). Every op is timed with `course_lib.measure.Stopwatch` (CUDA events on a GPU: never a
+    ``torch.cuda.synchronize()``, which would wait for NCCL's messages too): start after its input arrived, end when
+    its compute is done, before sending.
     Returns ``losses`` (per micro-batch, last stage, unscaled), ``timeline`` (per op: kind, mb, start, end in
     seconds of ``time.perf_counter``, the monotonic clock that all processes of one machine share, so the
     ranks' timelines line up without a clock-offset estimate), ``act_peak`` (bytes of saved activations held
@@ -149,75 +168,51 @@ def run_schedule(stage: Stage, order: list, x_mbs: list[torch.Tensor], y_mbs: li
     b, T = x_mbs[0].shape
     shape = hidden_shape or (b, T, stage.d_model)   # what travels between stages: (b, T, C)
     held: dict[int, tuple] = {}                # mb -> (input, output or loss): what backward needs
-    posted: dict[int, tuple] = {}              # op index -> (work, buffer) of its receive, posted one op early
-
-    def needs_recv(k: int) -> bool:
-        return k < len(order) and ((order[k][0] == "F" and not stage.is_first) or
-                                   (order[k][0] == "B" and not stage.is_last))
-
-    def post(k: int) -> None:                  # activations come from rank-1, their gradients from rank+1
-        if needs_recv(k) and k not in posted:
-            frm = comm.rank - 1 if order[k][0] == "F" else comm.rank + 1
-            posted[k] = comm.irecv(shape, frm)
-
-    def received(k: int) -> torch.Tensor:
-        post(k)
-        post(k + 1)                            # the next op's message travels while this op computes
-        work, buf = posted.pop(k)
-        work.wait()
-        return buf
-
     act_bytes: dict[int, int] = {}             # mb -> saved activation bytes
-    losses, timeline = [None] * m, []
+    losses, stamps = [None] * m, []
     live = peak = 0
+    outgoing = None                            # (tensor, to): the previous op's output, sent with the next receive
     if comm is not None:
-        dist.barrier(group=comm.group)   # every rank starts together
-    for k, (kind, i) in enumerate(order):
+        dist.barrier(group=comm.group)         # every rank starts together
+    clock = measure.Stopwatch(device)
+    for kind, i in order:
+        incoming = None                        # activations come from rank-1, their gradients from rank+1
+        if kind == "F" and not stage.is_first:
+            incoming = (shape, comm.rank - 1)
+        elif kind == "B" and not stage.is_last:
+            incoming = (shape, comm.rank + 1)
+        received = comm.exchange(outgoing, incoming) if outgoing or incoming else None
+        outgoing = None
         if kind == "F":
-            if stage.is_first:
-                inp = x_mbs[i].to(device)
-                if comm is not None:
-                    post(k + 1)
-            else:
-                inp = received(k).requires_grad_()
-            start = _now(device)
+            inp = x_mbs[i].to(device) if stage.is_first else received.requires_grad_()
+            start = clock.stamp()
             with measure.SavedActivations(stage) as acts:
                 out = stage(inp)
                 if stage.is_last:
                     loss = loss_fn(out, y_mbs[i].to(device))
-                    losses[i] = loss.item()
+                    losses[i] = loss.detach()
                     out = loss / m
-            end = _now(device)                 # compute done; sending counts as idle time
+            end = clock.stamp()                # compute done; sending counts as idle time
             act_bytes[i] = acts.bytes
             live += acts.bytes
             peak = max(peak, live)
             if not stage.is_last:
-                comm.send_forward(out)
+                outgoing = (out, comm.rank + 1)
             held[i] = (inp, out)
         else:
             inp, out = held.pop(i)
-            if stage.is_last:
-                grad = None
-                if comm is not None:
-                    post(k + 1)
-            else:
-                grad = received(k)
-            start = _now(device)
-            torch.autograd.backward(out, grad)
-            end = _now(device)
+            start = clock.stamp()
+            torch.autograd.backward(out, None if stage.is_last else received)
+            end = clock.stamp()
             live -= act_bytes[i]
             if not stage.is_first:
-                comm.send_backward(inp.grad)
-        timeline.append(dict(kind=kind, mb=i, start=start, end=end))
-    if comm is not None:
-        comm.wait_all()
-    return dict(losses=losses if stage.is_last else [], timeline=timeline, act_peak=peak,
+                outgoing = (inp.grad, comm.rank - 1)
+        stamps.append((kind, i, start, end))
+    if outgoing is not None:
+        comm.exchange(outgoing)
+    timeline = [dict(kind=kind, mb=i, start=clock.seconds(s), end=clock.seconds(e)) for kind, i, s, e in stamps]
+    return dict(losses=[float(v) for v in losses] if stage.is_last else [], timeline=timeline, act_peak=peak,
                 act_per_mb=[act_bytes[i] for i in range(m)], bytes_sent=comm.bytes_sent if comm else 0)
-
-
-def _now(device: torch.device) -> float:
-    measure.synchronize(device)    # on GPU the clock is read after queued kernels finish
-    return time.perf_counter()
 
 
 def sequential_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, p: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from course_lib import dist as cdist
 from course_lib.config import ModelConfig
 from course_lib.data import random_batches
 from course_lib.lessons.common import global_mean, grads_of, params_of, shard_batch
-from course_lib.measure import interval_union, intervals_length, synchronize
+from course_lib.measure import Stopwatch, interval_union, intervals_length, synchronize
 from course_lib.model import build_model, lm_loss
 from course_lib.parallel.collectives import ByteCounter, ring_all_reduce
 from course_lib.parallel.ddp import BucketedDDP, average_gradients
@@ -118,7 +118,8 @@ def rank_throughput(cfg: ModelConfig, batch_per_rank: int, variants=(("own", 25.
     variants: (kind, bucket_cap_mb) pairs; kind is 'own' (`BucketedDDP`), 'torch' (PyTorch DDP),
     'naive' (`average_gradients`) or 'local' (no communication at all). Timed steps of the variants are
     interleaved (and their order rotated), so that a noisy shared machine slows all of them alike.
-    Returns {label: {'step_s', 'tokens_per_s', 'wait_s' (own: time blocked in the final wait),
+    Returns {label: {'step_s', 'tokens_per_s', 'wait_s' (own, naive: time from the end of backward until the
+    gradients are averaged, i.e. communication not hidden behind backward; CUDA events on a GPU),
     'comm_share' (profile=True: fraction of the step with an all-reduce in flight), 'buckets' (own),
     'times' (every timed step, in order: step i of each variant ran back to back)}}, label 'kind@capMB'.
     """
@@ -138,18 +139,20 @@ def rank_throughput(cfg: ModelConfig, batch_per_rank: int, variants=(("own", 25.
             raise ValueError(f"unknown variant kind {kind!r}: use 'own', 'torch', 'naive' or 'local'")
         runs[f"{kind}@{cap:g}MB"] = (kind, model, wrapper, torch.optim.SGD(model.parameters(), lr=1e-3))
 
+    clock = Stopwatch(dev)       # a wait on an NCCL all-reduce does not block the CPU: time it on the GPU's timeline
+
     def step(kind, model, wrapper, opt) -> float:
         loss = lm_loss(wrapper(x), y) if kind == "torch" else model.loss(x, y)
         loss.backward()
-        t_wait = time.perf_counter()
+        before = clock.stamp()
         if kind == "own":
             wrapper.finish_gradient_synchronization()
         elif kind == "naive":
             average_gradients(model)
-        t_wait = time.perf_counter() - t_wait
+        after = clock.stamp()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return t_wait
+        return before, after
 
     labels = list(runs)
     times = {k: [] for k in labels}
@@ -164,7 +167,7 @@ def rank_throughput(cfg: ModelConfig, batch_per_rank: int, variants=(("own", 25.
             synchronize(dev)
             if i >= warmup:
                 times[label].append(time.perf_counter() - t0)
-                waits[label].append(w)
+                waits[label].append(clock.seconds(w[1]) - clock.seconds(w[0]))
     tokens = x.numel() * n                                                        # tokens per global step
     out = {}
     for label in labels:

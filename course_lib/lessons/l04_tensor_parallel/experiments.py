@@ -47,7 +47,8 @@ def tp_group(tp: int):
 def _reference(cfg: ModelConfig, idx, targets, seed: int = 0) -> dict:
     """One process, whole model, one forward and backward: logits, loss and gradients on idx's device."""
     ref = train_reference(cfg, [(idx, targets)], optimizer=None, seed=seed, device=idx.device)
-    return dict(logits=ref["logits"], loss=ref["losses"][0], grads={k: v.to(idx.device) for k, v in ref["grads"].items()})
+    grads = {k: v.to(idx.device) for k, v in ref["grads"].items()}
+    return dict(logits=ref["logits"], loss=ref["losses"][0], grads=grads)
 
 
 def _one_block(block, cfg, batch, T, tp, sp, dev) -> tuple[int, dict]:

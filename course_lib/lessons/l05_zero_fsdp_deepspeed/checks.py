@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib import dist as cdist
 from course_lib.lessons.common import global_mean, params_of, shard_batch
 from course_lib.measure import CollectiveCounter
 from course_lib.model import build_model
@@ -74,13 +75,13 @@ class FlatZero:
 def rank_try_flat_zero(cfg, batches, optimizer: str = "adamw", lr: float = 1e-2, **fns) -> dict:
     """Train with `FlatZero` (the learner's function in ``fns``) on this rank's rows; return losses, parameters,
     the optimizer state's elements on this rank, the collectives called and whether the ranks agree."""
-    r, n = dist.get_rank(), dist.get_world_size()
-    model = build_model(cfg, 0)
+    r, n, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
+    model = build_model(cfg, 0).to(dev)
     opt_cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
     zero = FlatZero(model, opt_cls, lr=lr, **fns)
     losses, counter = [], CollectiveCounter()
     for x, y in batches:
-        loss = model.loss(shard_batch(x, r, n), shard_batch(y, r, n))
+        loss = model.loss(shard_batch(x, r, n).to(dev), shard_batch(y, r, n).to(dev))
         loss.backward()
         with counter:                                                  # the collectives of the step only
             zero.step()
@@ -95,7 +96,7 @@ def rank_try_reduce_scatter(fn: Callable, sizes=(2, 6, 10)) -> list[dict]:
     r, n = dist.get_rank(), dist.get_world_size()
     out = []
     for S in sizes:
-        base = torch.arange(n * S, dtype=torch.float32)
+        base = torch.arange(n * S, dtype=torch.float32, device=cdist.device())
         flat = base * (r + 1)
         got = fn(flat, None)
         expected = base[r * S:(r + 1) * S] * (n + 1) / 2            # mean of 1..n = (n+1)/2
@@ -108,16 +109,16 @@ def rank_try_reduce_scatter(fn: Callable, sizes=(2, 6, 10)) -> list[dict]:
 def rank_try_layer_gather(gather_fn: Callable, free_fn: Callable) -> dict:
     """A Linear layer sharded over the ranks: gather its parameters with the learner's `gather_fn(param, chunk,
     group)`, run it, free them with `free_fn(param)`. Returns what the test compares."""
-    r, n = dist.get_rank(), dist.get_world_size()
+    r, n, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
     torch.manual_seed(0)
-    layer = nn.Linear(7, 5)                                            # 35 + 5 elements: not divisible by n
+    layer = nn.Linear(7, 5).to(dev)                                    # 35 + 5 elements: not divisible by n
     full = {k: v.detach().clone() for k, v in layer.named_parameters()}
-    x = torch.randn(3, 7)
+    x = torch.randn(3, 7).to(dev)
     expected = layer(x).detach()
     chunks = []
     for p in layer.parameters():
         c = math.ceil(p.numel() / n)
-        padded = torch.zeros(n * c)
+        padded = torch.zeros(n * c, device=dev)
         padded[:p.numel()] = p.detach().reshape(-1)
         chunks.append(padded[r * c:(r + 1) * c].clone())               # (c,) this rank's chunk
         p.data.untyped_storage().resize_(0)                            # sharded: the full parameter is gone

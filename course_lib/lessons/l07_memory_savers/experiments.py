@@ -241,8 +241,8 @@ def accumulation_sweep(cfg, global_batch: int = 16, micro_batches=(16, 8, 4, 2, 
 
 def rank_offload(cfg, global_batch: int = 8, steps: int = 3, variants=("ds2", "ds2-offload", "ds3", "ds3-offload")):
     """Runs on every rank: DeepSpeed ZeRO-2/3 with and without CPU offload (`common.train_variant`, as in lesson
-    05) on the same data; returns per variant the losses, the bytes of every live tensor (on CUDA: allocated
-    device bytes) and the median step time, and the hardware label."""
+    05) on the same data; returns per variant the losses, the bytes of every tensor alive on the rank's device (on
+    a GPU: the GPU's tensors) and the median step time, and the hardware label."""
     batches = random_batches(cfg, global_batch, steps)
     out = {v: train_variant(cfg, batches, v, full_params=False) for v in variants}
     keep = ("losses", "live_bytes", "step_s")

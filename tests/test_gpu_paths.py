@@ -1,0 +1,102 @@
+"""The GPU branches of the course, run on a CPU with ``torch.cuda`` mocked (availability, device count, names).
+
+No GPU is needed: what is checked is the decision each branch takes (which backend, which device, which datasheet row,
+which sizes, which label), not CUDA itself. NCCL's own rules (devices, message order, synchronize) are checked on every
+real run of the test command by `course_lib.nccl_rules` (tests/test_nccl_rules.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib import dist as cdist
+from course_lib import gpu_check, measure
+from course_lib.launch import LaunchError, resolve_backend
+from course_lib.lessons import common
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """fake_gpus(names): this process sees CUDA with these devices (nothing can run on them)."""
+    def install(names: list[str]):
+        def device_name(d=None):
+            return names[0 if d is None else d if isinstance(d, int) else torch.device(d).index or 0]
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(names))
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(names))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_name", device_name)
+        monkeypatch.setattr(cdist, "_ANNOUNCED", set())
+    return install
+
+
+def test_backend_policy_without_gpus(fake_gpus, capsys):
+    fake_gpus([])
+    assert [cdist.pick_backend(n) for n in (1, 2, 4)] == ["gloo"] * 3
+    assert resolve_backend("auto", 2) == "gloo" and capsys.readouterr().out == ""   # nothing to announce
+    with pytest.raises(LaunchError, match="needs CUDA GPUs"):
+        resolve_backend("nccl", 1)
+
+
+def test_backend_policy_with_enough_gpus(fake_gpus, capsys):
+    fake_gpus(["NVIDIA H100 80GB HBM3"] * 4)
+    assert [cdist.pick_backend(n) for n in (1, 2, 4)] == ["nccl"] * 3
+    assert resolve_backend("auto", 4) == "nccl" and resolve_backend("nccl", 4) == "nccl"
+    assert common.on_gpus(4) and common.by_device(cpu="cpu size", gpu="gpu size", nprocs=4) == "gpu size"
+    assert capsys.readouterr().out == ""
+
+
+def test_backend_policy_falls_back_and_says_so_once(fake_gpus, capsys):
+    fake_gpus(["NVIDIA L4"] * 2)
+    assert cdist.pick_backend(2) == "nccl"
+    assert cdist.pick_backend(4) == "gloo"                       # 4 ranks, 2 GPUs: CPU ranks, not an error
+    assert "4 ranks need 4 GPUs" in capsys.readouterr().out
+    assert resolve_backend("auto", 4) == "gloo" and capsys.readouterr().out == ""   # said once per process
+    with pytest.raises(LaunchError, match="4 GPUs .* this machine has 2"):
+        resolve_backend("nccl", 4)                                   # explicitly asked for: a clear error
+    assert common.by_device(cpu="cpu size", gpu="gpu size", nprocs=4) == "cpu size"
+    assert common.by_device(cpu="cpu size", gpu="gpu size", nprocs=2) == "gpu size"
+
+
+def test_hardware_label_names_where_ranks_computed(fake_gpus):
+    fake_gpus(["NVIDIA H100 80GB HBM3"] * 2)
+    assert measure.hardware_label("gloo").startswith("CPU: ")          # gloo ranks compute on the CPU
+    assert measure.hardware_label("nccl").startswith("NVIDIA H100 80GB HBM3") and "NCCL" in measure.hardware_label()
+
+
+def test_device_of_a_rank(fake_gpus, monkeypatch):
+    fake_gpus(["NVIDIA A100-SXM4-80GB"] * 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(cdist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a: "nccl")
+    assert cdist.device() == torch.device("cuda", 1)                   # one GPU per rank: LOCAL_RANK's
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a: "gloo")
+    assert cdist.device() == torch.device("cpu")                       # gloo on a GPU machine: the CPU
+
+
+def test_deepspeed_fp16_follows_the_device(fake_gpus, monkeypatch):
+    fake_gpus(["NVIDIA H100 80GB HBM3"])
+    assert common.deepspeed_config(2, 4, precision="fp16")["fp16"]["enabled"]
+    fake_gpus([])
+    monkeypatch.setattr(common, "cpu_features", lambda: dict(isa="AVX2", bf16=False, fp16=False, amx=[]))
+    with pytest.raises(ValueError, match="fp16 is refused"):
+        common.deepspeed_config(2, 4, precision="fp16")
+    monkeypatch.setattr(common, "cpu_features", lambda: dict(isa="AVX512", bf16=True, fp16=True, amx=["amx_fp16"]))
+    assert common.deepspeed_config(2, 4, precision="fp16")["fp16"]["enabled"]
+
+
+def test_peak_flops_uses_the_row_of_the_device(fake_gpus):
+    fake_gpus(["NVIDIA L40S"])
+    peak, source = measure.peak_flops("cuda:0")
+    assert peak == pytest.approx(362.05e12) and "L40S 48GB" in source     # not the L4's row (121)
+
+
+def test_gpu_check_inventory_names_the_row_of_each_gpu(fake_gpus, monkeypatch):
+    names = ["NVIDIA H100 PCIe", "AMD Instinct MI300X"]
+    fake_gpus(names)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 2 ** 30}))
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    rows = dict(gpu_check.inventory())
+    assert "datasheet row 'H100 PCIe 80GB': 756 TFLOP/s" in rows["GPU 0"]
+    assert "no datasheet row" in rows["GPU 1"] and rows["NCCL"] == "2.27.3"

@@ -1,0 +1,56 @@
+"""The layout of course_lib (README, "Architecture"): techniques in parallel/, one folder per lesson in lessons/.
+
+Read from the source with `ast`, nothing imported: parallel/ never imports lessons/ or grading/; a lesson's folder
+imports another lesson's code only through lessons/common.py; notebooks and solutions import modules under words.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "course_lib"
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a file imports (absolute names; `from a import b` counts as a.b as well as a)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def test_parallel_holds_techniques_only():
+    for path in sorted((PKG / "parallel").glob("*.py")):
+        bad = {m for m in _imports(path) if m.startswith(("course_lib.lessons", "course_lib.grading"))}
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: techniques must not depend on lessons"
+
+
+def test_lessons_share_code_only_through_common():
+    lessons = sorted(p for p in (PKG / "lessons").iterdir() if p.is_dir() and re.fullmatch(r"l\d\d_\w+", p.name))
+    assert [p.name[:3] for p in lessons] == sorted(p.name[:3] for p in lessons) and len(lessons) >= 7
+    for folder in lessons:
+        for path in folder.glob("*.py"):
+            for module in _imports(path):
+                other = re.match(r"course_lib\.lessons\.(l\d\d_\w+)", module)
+                assert other is None or other.group(1) == folder.name, \
+                    f"{path.relative_to(ROOT)} imports {module}: share it through course_lib/lessons/common.py"
+    for path in (PKG / "lessons" / "common.py", *(PKG / "parallel").glob("*.py")):
+        assert not any(re.match(r"course_lib\.lessons\.l\d\d", m) for m in _imports(path)), path
+
+
+def test_notebooks_import_modules_under_words():
+    alias = re.compile(r"^\s*(?:from\s+course_lib\S*\s+import|import\s+course_lib\S*).*\bas\s+([A-Za-z_]\w*)", re.M)
+    for path in sorted([*ROOT.glob("notebooks/*.ipynb"), *ROOT.glob("solutions/*.ipynb")]):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            for name in alias.findall("".join(cell["source"])):
+                assert len(name) > 3, f"{path.relative_to(ROOT)}: `as {name}`: name a course module with a word"
