@@ -51,7 +51,10 @@ def inventory() -> list[tuple[str, str]]:
     """What this node has: versions, GPUs with their datasheet row, the CPU."""
     rows = [("torch", torch.__version__), ("python", sys.version.split()[0])]
     if torch.cuda.is_available():
-        nccl = ".".join(map(str, torch.cuda.nccl.version())) if dist.is_nccl_available() else "not built in"
+        nccl = "not built in"
+        if dist.is_nccl_available():
+            v = torch.cuda.nccl.version()                    # (2, 21, 5) in recent torch, 22105 in older ones
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
         rows += [("CUDA", str(torch.version.cuda)), ("NCCL", nccl)]
         for i in range(torch.cuda.device_count()):
             name = torch.cuda.get_device_name(i)
