@@ -84,7 +84,7 @@ def _rank_checks(big: bool) -> dict:
     from course_lib.data import random_batches
     from course_lib.lessons.common import train_reference
     from course_lib.lessons.l03_pipeline_parallel.experiments import pipeline_config, rank_step
-    from course_lib.parallel.collectives import ring_all_reduce
+    from course_lib.parallel.collectives import ring_all_reduce, send_recv
 
     dev, r, n = cdist.device(), dist.get_rank(), dist.get_world_size()
     ar = torch.arange(6, dtype=torch.float32)
@@ -107,9 +107,7 @@ def _rank_checks(big: bool) -> dict:
     dist.broadcast(b, src=0)
     out["broadcast"] = _exact(b, ar)
     send, recv = torch.full((4,), float(r), device=dev), torch.empty(4, device=dev)
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (r + 1) % n),
-                                        dist.P2POp(dist.irecv, recv, (r - 1) % n)]):
-        work.wait()
+    send_recv(send, (r + 1) % n, recv, (r - 1) % n)
     out["send/recv (batch_isend_irecv)"] = _exact(recv, torch.full((4,), float((r - 1) % n)))
     seconds = {}
     t0 = time.perf_counter()

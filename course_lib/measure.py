@@ -454,11 +454,14 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 def unique_bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
     """Bytes of the storages behind ``tensors`` that are not in ``seen`` yet (``seen`` is updated): a storage
-    shared by several tensors (tied weights, views) counts once. None and non-tensors are skipped."""
+    shared by several tensors (tied weights, views) counts once; a DTensor counts its local shard. None and
+    non-tensors are skipped."""
     total = 0
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
             continue
+        if hasattr(t, "to_local"):                 # a DTensor (FSDP2, DTensor TP): this rank's shard
+            t = t.to_local()
         key = (t.device, t.untyped_storage().data_ptr())
         if key in seen or t.untyped_storage().nbytes() == 0:
             continue
@@ -512,7 +515,7 @@ def live_tensor_bytes(device: torch.device | str | None = None) -> int:
             if isinstance(obj, torch.Tensor) and not obj.is_meta:
                 local = obj.to_local() if hasattr(obj, "to_local") else obj
                 if local.device == device:
-                    tensors.append(local)
+                    tensors.append(obj)
         except Exception:  # noqa: BLE001 - objects half torn down by gc
             continue
     return unique_bytes(tensors, set())

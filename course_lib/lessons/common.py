@@ -27,8 +27,7 @@ import torch.nn as nn
 from course_lib import dist as cdist
 from course_lib.config import ModelConfig
 from course_lib.dist import pick_backend
-from course_lib.measure import (cpu_features, live_tensor_bytes, model_state_bytes, synchronize,
-                                unique_bytes)
+from course_lib.measure import cpu_features, live_tensor_bytes, model_state_bytes, synchronize
 from course_lib.model import build_model, lm_loss
 from course_lib.parallel.zero import ZeroOptimizer
 
@@ -260,15 +259,8 @@ class _Trainer:
 
 
 def _state_of(model: nn.Module, opt) -> dict:
-    """Model-state bytes of a model and its optimizer; DTensors (FSDP2) counted by their local shard."""
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-    seen: set = set()
-    params = list(model.parameters())
-    p = unique_bytes([local(q) for q in params], seen)
-    g = unique_bytes([local(q.grad) for q in params if q.grad is not None], seen)
-    o = sum(unique_bytes([local(v)], seen) for s in opt.state.values() for v in s.values()
-            if isinstance(v, torch.Tensor))
-    return dict(params=p, grads=g, optimizer=o, total=p + g + o)
+    """Model-state bytes {params, grads, optimizer, total} (`measure.model_state_bytes`; FSDP2: local shards)."""
+    return {k: v for k, v in model_state_bytes(model, opt).items() if k != "optimizer_scalars"}
 
 
 def _ddp(model, variant, opt_cls, lr, group, **_) -> _Trainer:
@@ -276,7 +268,7 @@ def _ddp(model, variant, opt_cls, lr, group, **_) -> _Trainer:
     opt = opt_cls(model.parameters(), lr=lr)
     return _Trainer(loss=lambda x, y: lm_loss(net(x), y), step=opt.step,       # through DDP's hooks
                     zero_grad=lambda: opt.zero_grad(set_to_none=True),
-                    state=lambda: {k: v for k, v in model_state_bytes(model, opt).items() if k != "optimizer_scalars"},
+                    state=lambda: _state_of(model, opt),
                     full_params=lambda: params_of(model))
 
 

@@ -23,7 +23,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-__all__ = ["ByteCounter", "chunk_sizes", "ring_all_reduce", "ring_bytes_sent", "ring_bytes_formula"]
+__all__ = ["ByteCounter", "chunk_sizes", "send_recv", "ring_all_reduce", "ring_bytes_sent", "ring_bytes_formula"]
 
 
 @dataclasses.dataclass
@@ -67,21 +67,30 @@ def _global(group, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group,
-              counter: ByteCounter | None) -> None:
-    """Send `send` to `right` while receiving `recv` from `left`: both posted together with `dist.batch_isend_irecv`,
-    then waited for. Every rank of the ring posts its send before anyone waits (a ring of blocking sends could
-    deadlock), and at 2 ranks, where right == left, NCCL runs the send and the receive between the same two ranks as
-    one group instead of queueing one behind the other (which deadlocks once chunks are large)."""
+def send_recv(send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None,
+              group=None) -> None:
+    """Send `send` to global rank `dst` while receiving into `recv` from global rank `src`, posted together with
+    ``dist.batch_isend_irecv`` and waited for (None or empty tensors are skipped). NCCL runs the messages between
+    two ranks in one queue: a send and a receive between the same two ranks posted apart can wait on each other
+    there (a deadlock that gloo forgives, `course_lib.nccl_rules`), so every pair that travels together goes here
+    (lessons 02 and 03)."""
     ops = []
-    if send.numel():
-        ops.append(dist.P2POp(dist.isend, send, right, group))
-        if counter is not None:
-            counter.add(send)
-    if recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, left, group))
+    if send is not None and send.numel():
+        ops.append(dist.P2POp(dist.isend, send, dst, group))
+    if recv is not None and recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, src, group))
     for req in dist.batch_isend_irecv(ops) if ops else []:
         req.wait()
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group,
+              counter: ByteCounter | None) -> None:
+    """One ring step: send to `right` while receiving from `left` (`send_recv`). Every rank of the ring posts its
+    send before anyone waits (a ring of blocking sends could deadlock), and at 2 ranks, where right == left, the send
+    and the receive travel as one group."""
+    if counter is not None and send.numel():
+        counter.add(send)
+    send_recv(send, right, recv, left, group)
 
 
 @torch.no_grad()

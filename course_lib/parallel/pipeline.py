@@ -26,6 +26,7 @@ import torch.nn as nn
 from course_lib import measure
 from course_lib.config import ConfigError
 from course_lib.model import lm_loss
+from course_lib.parallel.collectives import send_recv
 from course_lib.parallel.pipeline_schedules import split_stages, validate_order
 
 __all__ = ["Stage", "build_stage", "P2P", "run_schedule", "split_microbatches", "sequential_loss"]
@@ -106,16 +107,13 @@ class P2P:
                  dtype=torch.float32) -> torch.Tensor | None:
         """Send ``send = (tensor, to)`` and receive ``recv = (shape, from)`` (either may be None) as one batch, and
         wait for both. Returns the received tensor (or None)."""
-        ops, buf = [], None
+        t = buf = to = frm = None
         if send is not None:
-            t = send[0].detach().contiguous()
-            ops.append(dist.P2POp(dist.isend, t, self._peer(send[1]), self.group))
+            t, to = send[0].detach().contiguous(), self._peer(send[1])
             self.bytes_sent += t.numel() * t.element_size()
         if recv is not None:
-            buf = torch.empty(recv[0], dtype=dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buf, self._peer(recv[1]), self.group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
+            buf, frm = torch.empty(recv[0], dtype=dtype, device=self.device), self._peer(recv[1])
+        send_recv(t, to, buf, frm, self.group)
         return buf
 
     def send(self, t: torch.Tensor, to: int) -> None:
