@@ -57,58 +57,75 @@ def report_failure(run_dir: str, rank: int, exc: BaseException) -> None:
     write_atomic(os.path.join(run_dir, f"error{rank}.json"), json.dumps(err).encode())
 
 
+def init_process_group(backend: str, timeout_s: float) -> None:
+    """The default process group of a rank (gloo, or NCCL with the GPU set to LOCAL_RANK), every rank connected."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    # Every rank waits until the whole group is connected: under load, gloo's connectFullMesh can return on
+    # a fast rank before a slow one has accepted the connection, and a fast rank that ran a function
+    # without collectives and exited would then fail the slow one ("Connection closed by peer").
+    if backend == "nccl":
+        dist.barrier(device_ids=[int(os.environ["LOCAL_RANK"])])
+    else:
+        dist.barrier()
+
+
+def run_job(run_dir: str, rank: int, timings: dict) -> None:
+    """Run RUN_DIR/payload.pkl on this rank and write RUN_DIR/result{rank}.pkl (tensors moved to the CPU).
+    Raises what the function raised; the caller reports it."""
+    import cloudpickle
+    import torch
+
+    with open(os.path.join(run_dir, "payload.pkl"), "rb") as f:
+        fn, args, kwargs = cloudpickle.load(f)
+    posts = None
+    if os.environ.get("COURSE_NCCL_RULES") == "1":      # the test command: check NCCL's rules on gloo
+        from course_lib import nccl_rules
+
+        with nccl_rules.enforced((args, kwargs)) as state:
+            value = fn(*args, **kwargs)
+        posts = state.groups                             # replayed by the launcher once every rank is done
+    else:
+        value = fn(*args, **kwargs)
+    timings["work_done"] = time.time()
+
+    from course_lib import dist as cdist
+
+    value = torch.utils._pytree.tree_map(
+        lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
+    record = {"value": value, "timings": timings, "device": cdist.device_name(),
+              "threads": torch.get_num_threads(), "p2p": posts}
+    write_atomic(os.path.join(run_dir, f"result{rank}.pkl"), cloudpickle.dumps(record))
+    sys.stdout.flush()
+
+
 def main() -> int:
     die_with_parent()
+    os.environ["COURSE_IN_RANK"] = "1"  # a run started inside a rank starts its own processes (no pool)
     run_dir = sys.argv[1]
     rank = int(os.environ["RANK"])
     redirect_output(os.path.join(run_dir, f"rank{rank}.log"))
     timings = {"process_start": T_START}
 
     import json
-    from datetime import timedelta
 
     try:
-        import cloudpickle
+        import cloudpickle  # noqa: F401 - counted in the import time
         import torch
         import torch.distributed as dist
 
         timings["imports_done"] = time.time()
         settings = json.loads(open(os.path.join(run_dir, "settings.json")).read())
         torch.set_num_threads(settings["threads_per_rank"])
-        backend = settings["backend"]
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend, timeout=timedelta(seconds=settings["pg_timeout_s"]))
-        # Every rank waits until the whole group is connected: under load, gloo's connectFullMesh can return on
-        # a fast rank before a slow one has accepted the connection, and a fast rank that ran a function
-        # without collectives and exited would then fail the slow one ("Connection closed by peer").
-        if backend == "nccl":
-            dist.barrier(device_ids=[int(os.environ["LOCAL_RANK"])])
-        else:
-            dist.barrier()
+        init_process_group(settings["backend"], settings["pg_timeout_s"])
         timings["rendezvous_done"] = time.time()
-
-        with open(os.path.join(run_dir, "payload.pkl"), "rb") as f:
-            fn, args, kwargs = cloudpickle.load(f)
-        posts = None
-        if os.environ.get("COURSE_NCCL_RULES") == "1":      # the test command: check NCCL's rules on gloo
-            from course_lib import nccl_rules
-
-            with nccl_rules.enforced((args, kwargs)) as state:
-                value = fn(*args, **kwargs)
-            posts = state.groups                             # replayed by the launcher once every rank is done
-        else:
-            value = fn(*args, **kwargs)
-        timings["work_done"] = time.time()
-
-        from course_lib import dist as cdist
-
-        value = torch.utils._pytree.tree_map(
-            lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
-        record = {"value": value, "timings": timings, "device": cdist.device_name(),
-                  "threads": torch.get_num_threads(), "p2p": posts}
-        write_atomic(os.path.join(run_dir, f"result{rank}.pkl"), cloudpickle.dumps(record))
-        sys.stdout.flush()
+        run_job(run_dir, rank, timings)
         try:
             dist.destroy_process_group()
         except Exception:  # a peer that already left must not turn a success into a failure

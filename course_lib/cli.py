@@ -85,7 +85,7 @@ def doctor(nprocs: int = 2, timeout_s: float = 120) -> int:
     from course_lib.launch import DistributedRunError, LaunchError, run
 
     try:
-        res = run(_doctor_job, n, timeout_s=timeout_s, stream=False)   # NCCL with a GPU per rank, else gloo
+        res = run(_doctor_job, n, timeout_s=timeout_s, stream=False, fresh=True)   # a real start-up
     except (DistributedRunError, LaunchError) as exc:
         print(f"\nFAILED: the {n}-rank job did not work:\n{exc}")
         print("Fix: check that localhost networking works (the ranks meet on 127.0.0.1), and see the logs above.")

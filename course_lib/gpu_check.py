@@ -20,6 +20,7 @@ Without GPUs the same checks run on CPU ranks over gloo (CI runs it so); the dat
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
-from course_lib import measure, nccl_rules, theory
+from course_lib import measure, nccl_rules, pool, theory
 from course_lib.config import get_preset
 from course_lib.launch import DistributedRunError, run
 from course_lib.procs import usable_cores
@@ -72,7 +73,7 @@ def inventory() -> list[tuple[str, str]]:
 # ------------------------------------------------------------------------------------------ on every rank
 
 def _rank_job() -> dict:
-    return {"backend": dist.get_backend(), "device": str(cdist.device())}
+    return {"backend": dist.get_backend(), "device": str(cdist.device()), "pid": os.getpid()}
 
 
 def _exact(t: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -143,12 +144,25 @@ def _launcher_checks(n_gpu: int) -> list[Check]:
         want = "nccl" if n <= n_gpu else "gloo"
         where = f"{n} GPUs" if want == "nccl" else "CPU ranks"
         try:
-            res = run(_rank_job, n, stream=False, timeout_s=120)
+            res = run(_rank_job, n, stream=False, timeout_s=120, fresh=True)
             got = {r["backend"] for r in res.returns}
             out.append(Check(f"launcher, {n} rank(s)", f"{want} on {where}", f"{'/'.join(got)} in {res.wall_s:.1f} s",
                              got == {want}))
         except DistributedRunError as exc:
             out.append(Check(f"launcher, {n} rank(s)", f"{want} on {where}", str(exc).splitlines()[0][:80], False))
+    n = max(2, min(n_gpu, 4)) if n_gpu >= 2 else 2
+    if not pool.enabled():
+        out.append(Check(f"warm ranks, {n} rank(s)", "same answers from the same ranks", "pool off (COURSE_POOL=0)",
+                         None))
+        return out
+    try:                                      # warm ranks (course_lib.pool): the same ranks answer twice
+        first, again = (run(_rank_job, n, stream=False, timeout_s=120) for _ in range(2))
+        same = first.pooled and again.pooled and first.returns == again.returns
+        out.append(Check(f"warm ranks, {n} rank(s)", "same answers from the same ranks",
+                         f"{again.backend}, re-run in {again.wall_s:.2f} s (first {first.wall_s:.1f} s)",
+                         same))
+    except DistributedRunError as exc:
+        out.append(Check(f"warm ranks, {n} rank(s)", "same answers", str(exc).splitlines()[0][:80], False))
     return out
 
 
@@ -160,7 +174,7 @@ def _distributed_checks(n_gpu: int, timeout_s: float) -> list[Check]:
             continue
         env = {nccl_rules.ENV_VAR: "1"}
         try:
-            res = run(_rank_checks, n, args=(bool(n_gpu),), env=env, stream=False, timeout_s=timeout_s)
+            res = run(_rank_checks, n, args=(bool(n_gpu),), env=env, stream=False, timeout_s=timeout_s, fresh=True)
         except DistributedRunError as exc:         # a hang (timeout), an NCCL rule broken, a wrong collective
             out.append(Check(f"collectives and canaries, {n} ranks", f"done within {timeout_s:g} s",
                              " ".join(str(exc).split())[:160], False))

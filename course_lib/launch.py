@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from course_lib import pool as pool_mod
 from course_lib import procs
 
 MAX_PROCS = 64
@@ -77,6 +78,7 @@ class RunResult:
     launch_time: float  # absolute time the launcher was started
     threads_per_rank: int = 1
     p2p_posts: list | None = None  # per rank, its point-to-point posts, when NCCL's rules were checked
+    pooled: bool = False  # ran on warm ranks (`course_lib.pool`) rather than freshly started ones
 
     @property
     def value(self) -> Any:
@@ -95,7 +97,7 @@ class RunResult:
             return {}
         phase = lambda key: max(t[key] for t in done)  # noqa: E731
         out = {
-            "launcher + process start": phase("process_start") - self.launch_time,
+            "launcher + process start": phase("process_start") - self.launch_time,  # a warm run: sending it
             "imports (torch)": phase("imports_done") - phase("process_start"),
             "rendezvous + process group": phase("rendezvous_done") - phase("imports_done"),
             "work": phase("work_done") - phase("rendezvous_done"),
@@ -106,7 +108,8 @@ class RunResult:
     def summary(self) -> str:
         devices = sorted({d for d in self.devices if d})
         return (f"{self.nprocs} ranks, backend {self.backend}, devices {', '.join(devices) or '?'}, "
-                f"{self.threads_per_rank} thread(s)/rank, wall {self.wall_s:.2f} s")
+                f"{self.threads_per_rank} thread(s)/rank, {'warm' if self.pooled else 'fresh'} processes, "
+                f"wall {self.wall_s:.2f} s")
 
 
 # ----------------------------------------------------------------------------------------- checks
@@ -188,10 +191,14 @@ def _pickle_payload(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
 
 # --------------------------------------------------------------------------------------- the run
 
-def _new_run_dir() -> Path:
+def _runs_base() -> Path:
     base = Path(os.environ.get("COURSE_RUNS_DIR", Path(tempfile.gettempdir()) / "course_runs"))
     base.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=base))
+    return base
+
+
+def _new_run_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=_runs_base()))
 
 
 def _child_env(extra: dict | None, threads: int, tag: str) -> dict:
@@ -369,6 +376,13 @@ def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, 
         streamer.pump()
     wall = time.perf_counter() - t0
     result = _collect(run_dir, nprocs, backend, wall, launch_time, threads)
+    return _outcome(state, result, launcher_log, proc.returncode, timeout_s)
+
+
+def _outcome(state: str, result: RunResult, launcher_log: Path, returncode: int | None,
+             timeout_s: float) -> RunResult:
+    """The result of a finished run, or the one error that says what went wrong (fresh and pooled alike)."""
+    nprocs, run_dir, wall = result.nprocs, result.run_dir, result.wall_s
     done = [r for r in range(nprocs) if result.timings[r] is not None]
     if state == "interrupted":
         raise RunInterrupted(f"interrupted after {wall:.1f} s; all processes were stopped. Ranks that had "
@@ -381,8 +395,8 @@ def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, 
             f"Ranks {lagging} had not finished (a rank waiting in a collective that another rank never calls "
             f"hangs forever); ranks {done} had.\n{hint}\nlogs: {run_dir}",
             rank=lagging[0] if lagging else None, traceback="", partial=result)
-    if len(done) < nprocs or (proc.returncode != 0 and state != "done"):
-        raise _failure(result, launcher_log, proc.returncode)
+    if len(done) < nprocs or (returncode != 0 and state != "done"):
+        raise _failure(result, launcher_log, returncode)
     if result.p2p_posts is not None:                  # the ranks checked NCCL's rules: replay their messages
         from course_lib.nccl_rules import replay_pairs
 
@@ -394,9 +408,66 @@ def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, 
     return result
 
 
+def _launch_pooled(warm: "pool_mod.Pool", nprocs: int, backend: str, timeout_s: float, stream: bool,
+                   run_dir: Path, threads: int) -> RunResult:
+    """Run the job in ``run_dir`` on a warm pool: the same files, errors and guarantees as `_launch`.
+    A pool that fails, times out, is interrupted or asks to retire is shut down; the next run starts a new one."""
+    launch_time = time.time()
+    t0 = time.perf_counter()
+    streamer = _Streamer(run_dir / "rank0.log", stream)
+    state = "running"
+    try:
+        if not warm.started:
+            warm.start(deadline=t0 + timeout_s)
+        warm.submit(run_dir, os.getcwd())
+        while state == "running":
+            status = warm.wait(0.05)
+            streamer.pump()
+            if status == "ready":
+                state = "done"
+            elif status == "dead":
+                state = "failed"
+            elif time.perf_counter() - t0 > timeout_s:
+                state = "timeout"
+    except KeyboardInterrupt:
+        state = "interrupted"
+    except TimeoutError:
+        state = "timeout"
+    except pool_mod.PoolStartError as exc:
+        warm.shutdown()
+        warm.lock.release()
+        raise DistributedRunError(f"the warm ranks did not start: {exc}", rank=None, traceback="",
+                                  partial=_collect(run_dir, nprocs, backend, time.perf_counter() - t0,
+                                                   launch_time, threads)) from None
+    try:
+        if state != "done" or warm.retire:
+            warm.shutdown()
+            if state == "failed":          # torchrun has exited: its log names the rank that died
+                state = "done" if all((run_dir / f"result{r}.pkl").exists() for r in range(nprocs)) else state
+        streamer.pump()
+    finally:
+        warm.lock.release()
+    wall = time.perf_counter() - t0
+    result = _collect(run_dir, nprocs, backend, wall, launch_time, threads)
+    result.pooled = True
+    returncode = warm.proc.returncode if warm.proc is not None and state == "failed" else 0
+    return _outcome(state, result, warm.launcher_log, returncode, timeout_s)
+
+
+def _pool_for(nprocs: int, backend: str, threads: int, env: dict | None) -> "pool_mod.Pool | None":
+    """The warm pool these settings share (None when it is busy with a concurrent run)."""
+    child_env = _child_env(env, threads, tag="")
+    key_env = {k: v for k, v in child_env.items() if k not in (procs.TAG_VAR, "PYTEST_CURRENT_TEST")}
+    key = (nprocs, backend, threads, tuple(sorted(key_env.items())))
+    settings = {"backend": backend, "threads_per_rank": threads}
+    make = lambda: pool_mod.Pool(key, nprocs, lambda folder: torchrun_command(  # noqa: E731
+        ["-m", "course_lib._pool_worker", str(folder)], nprocs), child_env, settings, _runs_base())
+    return pool_mod.acquire(key, make)
+
+
 def run(fn: Callable, nprocs: int, *, args: Sequence = (), kwargs: dict | None = None, backend: str = "auto",
         timeout_s: float = 300.0, env: dict | None = None, stream: bool = True, port: int | None = None,
-        threads_per_rank: int | None = None) -> RunResult:
+        threads_per_rank: int | None = None, fresh: bool = False) -> RunResult:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` ranks under torchrun and return every rank's result.
 
     Inside ``fn`` the default process group is initialised (gloo on CPU, NCCL with the GPU set to
@@ -412,6 +483,9 @@ def run(fn: Callable, nprocs: int, *, args: Sequence = (), kwargs: dict | None =
         stream: show rank 0's output live.
         port: rendezvous port; None lets the OS choose a free one (recommended).
         threads_per_rank: CPU threads per rank; default shares the machine's cores among the ranks.
+        fresh: start new processes even where warm ones are available (`course_lib.pool`): for runs that
+            measure a new process (its start-up time, its peak memory) or that kill ranks on purpose.
+            Runs with a fixed ``port``, runs inside a rank and runs under COURSE_POOL=0 are always fresh.
     """
     nprocs = _validate_nprocs(nprocs)
     backend = resolve_backend(backend, nprocs)
@@ -424,6 +498,10 @@ def run(fn: Callable, nprocs: int, *, args: Sequence = (), kwargs: dict | None =
     (run_dir / "payload.pkl").write_bytes(payload)
     (run_dir / "settings.json").write_text(json.dumps({
         "backend": backend, "threads_per_rank": threads, "pg_timeout_s": max(30, int(timeout_s) + 30)}))
+    if not fresh and port is None and pool_mod.enabled():
+        warm = _pool_for(nprocs, backend, threads, env)
+        if warm is not None:
+            return _launch_pooled(warm, nprocs, backend, timeout_s, stream, run_dir, threads)
     return _launch(["-m", "course_lib._worker", str(run_dir)], nprocs, backend, timeout_s, env, stream,
                    run_dir, port, threads)
 

@@ -8,7 +8,6 @@ import signal
 import threading
 import time
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,24 +18,7 @@ from course_lib.dist import pick_backend
 from course_lib.launch import DistributedRunError, LaunchError, RunInterrupted, RunTimeout, run, run_script
 
 
-def _launched_processes() -> list[psutil.Process]:
-    """Processes started by a launch from this test process (tagged with our pid), still alive."""
-    found = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            tags = p.environ().get(procs.TAG_VAR, "").split(":")
-            if any(t.startswith(f"launch-{os.getpid()}-") for t in tags) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.Error, OSError):
-            pass
-    return found
-
-
-@pytest.fixture(autouse=True)
-def no_leftovers():
-    yield
-    left = _launched_processes()
-    assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
+pytestmark = pytest.mark.usefixtures("no_leftovers")   # (tests/conftest.py)
 
 
 def _rank_info(scale):

@@ -194,7 +194,9 @@ def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, ou
     tag = procs.new_tag("grade")
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
-    env.update({procs.TAG_VAR: tag, "MPLBACKEND": "Agg", "COURSE_RUNS_DIR": str(workdir / "runs"),
+    # COURSE_POOL=0: every run of a graded notebook starts fresh ranks. Warm ranks would carry what a student's
+    # own run did to them (a patched torch function) into the runs of the official test cells.
+    env.update({procs.TAG_VAR: tag, "MPLBACKEND": "Agg", "COURSE_RUNS_DIR": str(workdir / "runs"), "COURSE_POOL": "0",
                 "PYTHONPATH": os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p),
                 "PYDEVD_DISABLE_FILE_VALIDATION": "1", "JUPYTER_PLATFORM_DIRS": "1"})
     log = workdir / "runner.log"
