@@ -30,7 +30,7 @@ def cold_start(repeats: int) -> None:
     walls, breakdowns = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        res = run(_job, 2, stream=False)
+        res = run(_job, 2, stream=False, fresh=True)    # a cold start: new processes, not the warm pool
         walls.append(time.perf_counter() - t0)
         breakdowns.append(res.breakdown())
     print(f"cold 2-rank job, call to result: median {statistics.median(walls):.2f} s "
