@@ -19,7 +19,9 @@ import torch
 def _job():
     import torch.distributed as dist
 
-    t = torch.ones(1)
+    from course_lib import dist as cdist
+
+    t = torch.ones(1, device=cdist.device())              # on the rank's GPU under NCCL
     dist.all_reduce(t)
     return t.item()
 

@@ -433,10 +433,10 @@ def _launch_pooled(warm: "pool_mod.Pool", nprocs: int, backend: str, timeout_s: 
         state = "interrupted"
     except TimeoutError:
         state = "timeout"
-    except pool_mod.PoolStartError as exc:
+    except (pool_mod.PoolStartError, OSError) as exc:     # a rank gone before the run reached it, a socket error
         warm.shutdown()
-        warm.lock.release()
-        raise DistributedRunError(f"the warm ranks did not start: {exc}", rank=None, traceback="",
+        warm.release()
+        raise DistributedRunError(f"the warm ranks did not take the run: {exc}", rank=None, traceback="",
                                   partial=_collect(run_dir, nprocs, backend, time.perf_counter() - t0,
                                                    launch_time, threads)) from None
     try:
@@ -446,7 +446,7 @@ def _launch_pooled(warm: "pool_mod.Pool", nprocs: int, backend: str, timeout_s: 
                 state = "done" if all((run_dir / f"result{r}.pkl").exists() for r in range(nprocs)) else state
         streamer.pump()
     finally:
-        warm.lock.release()
+        warm.release()
     wall = time.perf_counter() - t0
     result = _collect(run_dir, nprocs, backend, wall, launch_time, threads)
     result.pooled = True

@@ -32,7 +32,10 @@ from pathlib import Path
 from course_lib import procs
 
 #: Most ranks kept warm at once by one process (idle pools beyond it are shut down, least recently used first).
-MAX_WARM_RANKS = int(os.environ.get("COURSE_POOL_MAX_RANKS", "12"))
+#: A warm rank holds about 0.5 GB (torch imported), so the default keeps at most 8 (4 GB) per kernel.
+MAX_WARM_RANKS = int(os.environ.get("COURSE_POOL_MAX_RANKS", "8"))
+#: A pool unused for this long is shut down (its memory returned); the next run starts a new one.
+IDLE_S = float(os.environ.get("COURSE_POOL_IDLE_S", "900"))
 #: Process-group timeout of a pool's ranks; a run's own ``timeout_s`` stops a hang long before it.
 PG_TIMEOUT_S = 3600
 
@@ -162,6 +165,11 @@ class Pool:
             return "ready"
         return "dead" if self.proc.poll() is not None else "running"
 
+    def release(self) -> None:
+        """The run using the pool is over (the idle clock starts now)."""
+        self.last_used = time.monotonic()
+        self.lock.release()
+
     # --------------------------------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
         """Stop every process of the pool (nothing is left behind) and remove its socket."""
@@ -192,7 +200,7 @@ _REGISTRY_LOCK = threading.Lock()
 
 def acquire(key: tuple, make) -> Pool | None:
     """The pool for ``key``, created by ``make()`` if there is none; None when it is busy with another run.
-    The caller releases ``pool.lock`` when its run ends."""
+    The caller calls ``pool.release()`` when its run ends."""
     retired = []
     with _REGISTRY_LOCK:
         pool = _POOLS.get(key)
@@ -211,7 +219,31 @@ def acquire(key: tuple, make) -> Pool | None:
     if busy:
         return None
     pool.last_used = time.monotonic()
+    _start_reaper()
     return pool
+
+
+def _reap_idle() -> None:
+    """Shut down pools nobody has used for `IDLE_S` seconds (a daemon thread, every few seconds)."""
+    while True:
+        time.sleep(min(30.0, max(1.0, IDLE_S / 4)))
+        for p in warm_pools():
+            if time.monotonic() - p.last_used > IDLE_S and p.lock.acquire(blocking=False):
+                try:
+                    if time.monotonic() - p.last_used > IDLE_S:
+                        p.shutdown()
+                finally:
+                    p.lock.release()
+
+
+_REAPER: threading.Thread | None = None
+
+
+def _start_reaper() -> None:
+    global _REAPER
+    if _REAPER is None or not _REAPER.is_alive():
+        _REAPER = threading.Thread(target=_reap_idle, name="course-pool-reaper", daemon=True)
+        _REAPER.start()
 
 
 def warm_pools() -> list[Pool]:
@@ -227,8 +259,10 @@ def shutdown_all() -> None:
 
 
 def _forget_after_fork() -> None:
-    """A forked child does not own its parent's pools."""
+    """A forked child does not own its parent's pools (nor the reaper thread, which a fork does not copy)."""
+    global _REAPER
     _POOLS.clear()
+    _REAPER = None
 
 
 atexit.register(shutdown_all)

@@ -100,3 +100,27 @@ def test_gpu_check_inventory_names_the_row_of_each_gpu(fake_gpus, monkeypatch):
     rows = dict(gpu_check.inventory())
     assert "datasheet row 'H100 PCIe 80GB': 756 TFLOP/s" in rows["GPU 0"]
     assert "no datasheet row" in rows["GPU 1"] and rows["NCCL"] == "2.27.3"
+
+
+def test_a_warm_rank_on_a_gpu_starts_each_run_with_fresh_memory_stats(fake_gpus, monkeypatch):
+    """A pool's rank (course_lib._pool_worker) on a GPU: peak-memory statistics reset before every run, as a new
+    process has them; after the run the GPU's work is waited for and its cached blocks returned (nothing pending:
+    the run is over)."""
+    import gc
+    import os
+
+    from course_lib import _pool_worker
+
+    fake_gpus(["NVIDIA H100 80GB HBM3"] * 2)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _name=name, **k: calls.append(_name))
+    monkeypatch.setattr(torch, "seed", lambda: calls.append("seed"))                 # (CUDA's generators are fake)
+    monkeypatch.setattr(torch, "manual_seed", lambda s: calls.append("manual_seed"))
+    monkeypatch.setattr(gc, "freeze", lambda: None)                                  # (this is pytest's process)
+    base = _pool_worker.Baseline(threads=torch.get_num_threads())
+    base.prepare(os.getcwd())
+    assert calls[0] in ("seed", "manual_seed") and calls[1:] == ["reset_peak_memory_stats"]
+    base.restore()
+    assert calls[2:] == ["synchronize", "empty_cache"]

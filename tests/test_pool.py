@@ -232,3 +232,16 @@ def test_a_killed_owner_leaves_no_rank_behind(tmp_path):
         assert not left, f"ranks outlived their killed owner: {left}"
     finally:
         owner.kill()
+
+
+def test_an_idle_pool_is_shut_down_and_replaced(monkeypatch):
+    monkeypatch.setattr(pool, "IDLE_S", 1.5)
+    res = run(_pids, 2, stream=False)
+    warm = pool.warm_pools()
+    assert res.pooled and len(warm) == 1
+    pids = warm[0].pids()
+    deadline = time.time() + 20
+    while pool.warm_pools() and time.time() < deadline:
+        time.sleep(0.25)
+    assert not pool.warm_pools() and not any(psutil.pid_exists(p) for p in pids)
+    assert run(_pids, 2, stream=False).pooled
