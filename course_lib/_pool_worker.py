@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import types
 
 from course_lib._worker import T_START, die_with_parent, init_process_group, redirect_output, report_failure
 
@@ -120,9 +121,10 @@ class Baseline:
             pass
         for owner, saved in self.dicts.items():           # patched functions, classes and module attributes
             current = vars(owner)
-            added = [k for k in current if k not in saved] if isinstance(owner, type) else []  # (modules gain
-            for key in added:                                                             # submodules: keep)
-                if not key.startswith("__"):
+            for key in [k for k in current if k not in saved and not k.startswith("__")]:
+                if isinstance(current[key], types.ModuleType):    # a submodule imported by the job stays
+                    continue
+                if isinstance(owner, type) or owner.__name__.startswith("course_lib"):   # (torch adds its own)
                     try:
                         delattr(owner, key)
                     except (AttributeError, TypeError):

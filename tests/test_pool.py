@@ -84,7 +84,8 @@ def _leave_a_mess():
 
     init_device_mesh("cpu", (2,))
     course_lib.model.GPT.leaked = 1                        # a class attribute added ...
-    measure.fmt_bytes = lambda n: "patched"                # ... a library function replaced ...
+    measure.fmt_bytes = lambda n: "patched"                # ... a library function replaced, a global added ...
+    measure.LEAKED_GLOBAL = 1
     F.gelu = lambda x, **kw: x                             # ... and a torch function
     torch.set_num_threads(2)
     torch.set_default_dtype(torch.float64)
@@ -105,7 +106,8 @@ def _look_around():
     import course_lib.model
     from course_lib import measure
 
-    return {"pid": os.getpid(), "groups": len(c10d._world.pg_map), "leaked": hasattr(course_lib.model.GPT, "leaked"),
+    return {"pid": os.getpid(), "groups": len(c10d._world.pg_map),
+            "leaked": hasattr(course_lib.model.GPT, "leaked") or hasattr(measure, "LEAKED_GLOBAL"),
             "fmt": measure.fmt_bytes(2 ** 20), "gelu": F.gelu(torch.tensor([-1.0])).item(),
             "threads": torch.get_num_threads(), "dtype": str(torch.get_default_dtype()),
             "grad": torch.is_grad_enabled(), "seed": torch.initial_seed(), "env": os.environ.get("COURSE_LEAK"),
