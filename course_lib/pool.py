@@ -224,9 +224,9 @@ def acquire(key: tuple, make) -> Pool | None:
 
 
 def _reap_idle() -> None:
-    """Shut down pools nobody has used for `IDLE_S` seconds (a daemon thread, every few seconds)."""
+    """Shut down pools nobody has used for `IDLE_S` seconds (a daemon thread that looks once a second)."""
     while True:
-        time.sleep(min(30.0, max(1.0, IDLE_S / 4)))
+        time.sleep(1.0)
         for p in warm_pools():
             if time.monotonic() - p.last_used > IDLE_S and p.lock.acquire(blocking=False):
                 try:
