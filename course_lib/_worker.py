@@ -70,6 +70,12 @@ def init_process_group(backend: str, timeout_s: float) -> None:
     # Every rank waits until the whole group is connected: under load, gloo's connectFullMesh can return on
     # a fast rank before a slow one has accepted the connection, and a fast rank that ran a function
     # without collectives and exited would then fail the slow one ("Connection closed by peer").
+    _barrier(backend)
+
+
+def _barrier(backend: str) -> None:
+    import torch.distributed as dist
+
     if backend == "nccl":
         dist.barrier(device_ids=[int(os.environ["LOCAL_RANK"])])
     else:
@@ -126,6 +132,9 @@ def main() -> int:
         init_process_group(settings["backend"], settings["pg_timeout_s"])
         timings["rendezvous_done"] = time.time()
         run_job(run_dir, rank, timings)
+        # No rank leaves before every rank is done: a rank that exits while a slower one is still connecting to it
+        # in a group the function creates (gloo's connectFullMesh) fails that one ("Connection closed by peer").
+        _barrier(settings["backend"])
         try:
             dist.destroy_process_group()
         except Exception:  # a peer that already left must not turn a success into a failure
