@@ -20,7 +20,8 @@ import sys
 import time
 import types
 
-from course_lib._worker import T_START, die_with_parent, init_process_group, redirect_output, report_failure
+from course_lib._worker import (T_START, die_with_parent, init_process_group, redirect_output, report_failure,
+                                wait_for_every_rank)
 
 #: Packages whose module-level globals may keep a process group or a DeviceMesh that a job created (DeepSpeed's
 #: ``groups._WORLD_GROUP``, ``mesh_device``, ...): after a job, references to destroyed ones are cleared.
@@ -268,6 +269,9 @@ def main() -> int:
             from course_lib._worker import run_job
 
             run_job(run_dir, rank, timings)
+            # Every rank is done before any destroys the run's groups: a slower rank may still be connecting to
+            # this one in a group the function made (gloo's connectFullMesh), as in `_worker.main`.
+            wait_for_every_rank(settings["backend"])
         except BaseException as exc:  # noqa: BLE001 - reported as a fresh rank reports it, then this rank exits
             report_failure(run_dir, rank, exc)
             sys.stdout.flush()

@@ -70,10 +70,11 @@ def init_process_group(backend: str, timeout_s: float) -> None:
     # Every rank waits until the whole group is connected: under load, gloo's connectFullMesh can return on
     # a fast rank before a slow one has accepted the connection, and a fast rank that ran a function
     # without collectives and exited would then fail the slow one ("Connection closed by peer").
-    _barrier(backend)
+    wait_for_every_rank(backend)
 
 
-def _barrier(backend: str) -> None:
+def wait_for_every_rank(backend: str) -> None:
+    """A barrier on the default group (on this rank's GPU under NCCL)."""
     import torch.distributed as dist
 
     if backend == "nccl":
@@ -134,7 +135,7 @@ def main() -> int:
         run_job(run_dir, rank, timings)
         # No rank leaves before every rank is done: a rank that exits while a slower one is still connecting to it
         # in a group the function creates (gloo's connectFullMesh) fails that one ("Connection closed by peer").
-        _barrier(settings["backend"])
+        wait_for_every_rank(settings["backend"])
         try:
             dist.destroy_process_group()
         except Exception:  # a peer that already left must not turn a success into a failure
