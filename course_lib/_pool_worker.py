@@ -42,8 +42,6 @@ class Baseline:
     """What a fresh rank looks like, captured once after the process group is up, put back after every job."""
 
     def __init__(self, threads: int):
-        import random
-
         import torch
         import torch.distributed.distributed_c10d as c10d
 
@@ -58,7 +56,6 @@ class Baseline:
         self.matmul_precision = torch.get_float32_matmul_precision()
         self.threads_alive = set(__import__("threading").enumerate())
         self.warning_filters = list(__import__("warnings").filters)
-        self.random = random
         self.dicts: dict = {}                              # module or class -> its attributes as first seen
         self._remember()
         import gc
@@ -81,6 +78,8 @@ class Baseline:
     # ------------------------------------------------------------------------------------- before a job
     def prepare(self, cwd: str) -> None:
         """State every job starts from: seeds and counters as in a fresh process, the launcher's folder."""
+        import random
+
         import torch
 
         os.chdir(cwd)
@@ -88,7 +87,7 @@ class Baseline:
             torch.seed()                                  # CPU and every GPU, as a fresh process has them
         else:
             torch.manual_seed(self.seed)
-        self.random.seed()
+        random.seed()
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
         torch.set_num_threads(self.threads)

@@ -1,9 +1,10 @@
 """Warm ranks: keep a torchrun job alive between runs, so a re-run costs milliseconds instead of seconds.
 
 A fresh `launch.run` starts torchrun, a Python process per rank, imports torch and meets at the rendezvous:
-2.5-4.5 s on a laptop CPU before the first line of the function, for work that often takes milliseconds. A
-pool does that once per (ranks, backend, threads per rank, environment) and then sends each run to the same
-ranks (`course_lib._pool_worker`), which put themselves back in a fresh process's state after every run.
+2.5-4.5 s on the course's 2-core CPU machines before the first line of the function, for work that often takes
+milliseconds. A pool does that once per (ranks, backend, threads per rank, environment) and then sends each run
+to the same ranks (`course_lib._pool_worker`), which put themselves back in a fresh process's state after every
+run.
 
     from course_lib import pool
     pool.enabled()        # False under COURSE_POOL=0, inside a rank, or in the grader's kernels
@@ -62,7 +63,6 @@ class Pool:
         self.buffers: dict[int, bytes] = {}
         self.ready: set[int] = set()
         self.retire = False
-        self.runs = 0
         self.last_used = time.monotonic()
         self.tag = procs.new_tag("pool")
         self.dir: Path | None = None
@@ -133,7 +133,6 @@ class Pool:
     def submit(self, run_dir: Path, cwd: str) -> None:
         """Send one run to every rank."""
         self.ready.clear()
-        self.runs += 1
         line = ("job " + json.dumps({"run_dir": str(run_dir), "cwd": cwd}) + "\n").encode()
         for conn in self.conns.values():
             conn.setblocking(True)
