@@ -22,8 +22,8 @@ from course_lib.lessons.common import VARIANTS, deepspeed_config, small_config, 
 from course_lib.measure import cpu_features
 from course_lib.model import build_model
 from course_lib.parallel.zero import ZeroOptimizer, chunk_numel
-from course_lib.theory.memory import (padded_numel, zero_bytes_per_param, zero_comm_bytes, zero_model_state_bytes,
-                                      zero_saving)
+from course_lib.theory.memory import (padded_numel, usable_offload, zero_bytes_per_param, zero_comm_bytes,
+                                      zero_model_state_bytes, zero_saving)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the rank functions below travel by value
 
@@ -74,12 +74,24 @@ def test_zero_formula_mixed_precision_matches_paper():
 
 
 def test_zero_offload_and_savings():
+    # ZeRO-Offload (Ren et al. 2021, 4.1): gradients and optimizer state go to the CPU, the bf16 parameters stay
     s2 = zero_model_state_bytes(1000, 4, 2, offload="optimizer")
-    assert s2["optimizer"] == 0 and s2["cpu"] == 12 * 1000 / 4 and s2["total"] == 2000 + 2000 / 4
+    assert (s2["grads"], s2["optimizer"], s2["params"], s2["total"]) == (0, 0, 2000, 2000)
+    assert s2["cpu"] == (2 + 12) * 1000 / 4                       # 14P of the 16P leave the device (sharded)
+    s1 = zero_model_state_bytes(1000, 4, 1, offload="optimizer")
+    assert s1["total"] == 2000 and s1["cpu"] == 2000 + 12 * 1000 / 4
+    s3o = zero_model_state_bytes(1000, 4, 3, offload="optimizer")
+    assert s3o["total"] == 2000 / 4 and s3o["cpu"] == 14 * 1000 / 4
     s3 = zero_model_state_bytes(1000, 4, 3, offload="param")
-    assert s3["params"] == 0 and s3["total"] == 2000 / 4 and s3["cpu"] == (12 + 2) * 1000 / 4
+    assert s3["params"] == 0 and s3["total"] == 0 and s3["cpu"] == 16 * 1000 / 4
+    f32 = zero_model_state_bytes(1000, 1, 2, mixed=False, offload="optimizer")
+    assert (f32["total"], f32["cpu"]) == (4000, 12000)
     with pytest.raises(ValueError, match="stage 3"):
         zero_model_state_bytes(1000, 4, 2, offload="param")
+    with pytest.raises(ValueError, match="stage 1-3"):
+        zero_model_state_bytes(1000, 4, 0, offload="optimizer")
+    assert usable_offload(2, "param") == (None, "parameter offload needs stage 3: ignored")
+    assert usable_offload(0, "optimizer")[0] is None and usable_offload(1, "optimizer") == ("optimizer", "")
     with pytest.raises(ValueError, match="stage"):
         zero_model_state_bytes(1000, 4, 4)
     # the syllabus's claims at N = 8: ZeRO-2 saves 50-75%? ZeRO-3 75-90%?
@@ -106,9 +118,16 @@ def test_formula_against_deepspeed_estimators():
         assert gpu2 == pytest.approx(zero_model_state_bytes(Pb, n, 2)["total"] + 4 * Pb / n, abs=1)
         _, gpu3, largest_bytes = estimate_zero3_model_states_mem_needs(Pb, largest, n, 1, cpu_offload=False)
         assert gpu3 == pytest.approx(zero_model_state_bytes(Pb, n, 3)["total"] + 2 * Pb / n + largest_bytes, abs=1)
+        # ZeRO-Offload: only the 16-bit parameters stay on the GPU (2P; stage 3: 2P/N + the gathered layer)
         _, gpu2_off = estimate_zero2_model_states_mem_needs(Pb, n, 1, cpu_offload=True)
-        assert gpu2_off == 2 * Pb                 # only the bf16 parameters stay; ours keeps the gradient shard too
-        assert zero_model_state_bytes(Pb, n, 2, offload="optimizer")["total"] == 2 * Pb + 2 * Pb / n
+        assert gpu2_off == zero_model_state_bytes(Pb, n, 2, offload="optimizer")["total"] == 2 * Pb
+        _, gpu3_off, _ = estimate_zero3_model_states_mem_needs(Pb, largest, n, 1, cpu_offload=True,
+                                                               cpu_offload_params=False)
+        assert gpu3_off == pytest.approx(zero_model_state_bytes(Pb, n, 3, offload="optimizer")["total"] + largest_bytes,
+                                         abs=1)
+        _, gpu3_par, _ = estimate_zero3_model_states_mem_needs(Pb, largest, n, 1, cpu_offload=True,
+                                                               cpu_offload_params=True)
+        assert gpu3_par == zero_model_state_bytes(Pb, n, 3, offload="param")["total"] + largest_bytes
 
 
 def test_deepspeed_config_fp16_follows_the_machine():

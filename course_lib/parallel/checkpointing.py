@@ -2,7 +2,8 @@
 
     apply_activation_checkpointing(model, every=2)          # segments of 2 blocks, full recomputation
     apply_activation_checkpointing(model, selective=True)   # keep matmul / attention outputs, recompute the rest
-    remove_activation_checkpointing(model)                  # back to the plain model
+    recompute_attention_core(model)                         # recompute only q k^T, softmax, attention over v
+    remove_activation_checkpointing(model)                  # back to the plain model (both undone)
 
 Full checkpointing (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"): the forward of a
 segment of ``every`` blocks runs inside ``torch.utils.checkpoint.checkpoint``, which keeps only the segment's
@@ -10,11 +11,19 @@ input; when backward reaches the segment it runs the segment's forward again (wi
 its backward. Memory held between forward and backward drops from L blocks' activations to ceil(L/k)
 (B, T, C) inputs; the price is one more forward of every block (see ``course_lib.theory.savers``).
 
-Selective checkpointing (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
-Models"; torch's ``create_selective_checkpoint_contexts``): a policy decides per operator whether its output
-is saved or recomputed. :data:`SAVE_OPS` saves the outputs of the matmuls and of attention (expensive to
-recompute) and recomputes LayerNorm, GELU and the residual adds (cheap): less memory saved, almost no FLOPs
-paid.
+Two kinds of selective checkpointing, often confused:
+
+- **Selective activation recomputation** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models", section 5; Megatron-LM's ``--recompute-granularity selective``): only the attention core
+  (q k^T, scaling and mask, softmax, dropout, attention over v) is recomputed. Those operators keep the
+  ``5as/h`` term of the paper's ``sbh(34 + 5as/h)`` bytes per layer, the part that grows with the sequence length,
+  for a few percent of the FLOPs. :func:`recompute_attention_core` does this. A fused attention kernel
+  (FlashAttention) recomputes the scores inside the kernel, so it gets the same saving without checkpointing.
+- **Operator-level selective checkpointing** (torch's ``create_selective_checkpoint_contexts``; torchtitan's
+  ``op`` policy): a policy decides per operator whether its output is saved or recomputed.
+  :func:`save_matmuls_policy` saves what :data:`SAVE_OPS` computes (matmuls, including ``bmm``, and fused
+  attention) and recomputes LayerNorm, GELU and the residual adds: almost no FLOPs paid. With naive attention it
+  saves the ``bmm`` output, the (B, H, T, T) scores, so it does not remove the quadratic term.
 
 The model is not restructured: parameter names and ``state_dict`` stay those of the plain model. The first
 block of each segment gets an instance-level ``forward`` that runs the whole segment under ``checkpoint``;
@@ -32,7 +41,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = ["apply_activation_checkpointing", "remove_activation_checkpointing", "checkpointed_segments",
-           "SAVE_OPS", "save_matmuls_policy", "CheckpointedBlock"]
+           "recompute_attention_core", "SAVE_OPS", "save_matmuls_policy", "CheckpointedBlock"]
 
 _aten = torch.ops.aten
 # Operators whose outputs selective checkpointing keeps (the rest is recomputed in backward).
@@ -106,8 +115,36 @@ def apply_activation_checkpointing(model: nn.Module, every: int = 1, selective: 
     return model
 
 
+class _RecomputedCore:
+    """``block.attn.attend`` run under ``checkpoint``: keeps q, k, v and recomputes the attention core in backward."""
+
+    def __init__(self, attend):
+        self.inner = attend
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self.inner(q, k, v)
+        return checkpoint(self.inner, q, k, v, use_reentrant=False)      # (B, H, T, D) -> (B, H, T, D)
+
+
+def recompute_attention_core(model: nn.Module) -> nn.Module:
+    """Korthikanti et al.'s selective recomputation (in place; returns the model): every block's attention core,
+    ``block.attn.attend(q, k, v)`` (whichever kernel it is set to), runs under ``checkpoint``."""
+    for block in model.blocks:
+        if not isinstance(block.attn.attend, _RecomputedCore):
+            block.attn.attend = _RecomputedCore(block.attn.attend)
+    return model
+
+
 def remove_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply_activation_checkpointing`: every block runs its own forward again."""
+    """Undo :func:`apply_activation_checkpointing` and :func:`recompute_attention_core`: every block runs its own
+    forward and attention kernel again."""
     for block in model.blocks:
         block.__dict__.pop("forward", None)
+        core = block.attn.__dict__.get("attend")
+        if isinstance(core, _RecomputedCore):
+            if getattr(core.inner, "__self__", None) is block.attn:    # the class's own kernel
+                del block.attn.attend
+            else:
+                block.attn.attend = core.inner                          # a kernel set on the instance
     return model

@@ -131,8 +131,12 @@ def zero_model_state_bytes(n_params: int, world_size: int, stage: int, mixed: bo
 
     fp32 (``mixed=False``): parameters 4P, gradients 4P, Adam moments 8P (no separate master copy), so
     stage 1 = 8P + 8P/N, stage 2 = 4P + 12P/N, stage 3 = 16P/N.
-    ``offload="optimizer"`` moves the optimizer state (with master weights) to CPU memory (DeepSpeed
-    ``offload_optimizer``); ``offload="param"`` (stage 3 only) moves the parameters too (``offload_param``).
+    ``offload="optimizer"`` is ZeRO-Offload (Ren et al. 2021, section 4.1; DeepSpeed ``offload_optimizer``, stage 1-3):
+    the gradients and the optimizer state (with the master weights) live in CPU memory, where the optimizer step
+    runs; only the 16-bit parameters stay on the device: 2P of 16P (2P/N under stage 3), as DeepSpeed's
+    ``estimate_zero2_model_states_mem_needs(..., cpu_offload=True)`` counts. ``offload="param"`` (stage 3 only,
+    ZeRO-Infinity's ``offload_param``) moves the parameters too: nothing of the model state stays on the device
+    between uses.
     ``step_counters``: torch Adam's 4-byte step tensors, one per parameter tensor (not sharded).
 
     Returns ``dict(params=, grads=, optimizer=, total=, cpu=)``: ``total`` is on the device, ``cpu`` offloaded.
@@ -145,6 +149,9 @@ def zero_model_state_bytes(n_params: int, world_size: int, stage: int, mixed: bo
         raise ValueError(f"offload={offload!r}: use None, 'optimizer' or 'param'")
     if offload == "param" and stage != 3:
         raise ValueError(f"offload='param' needs stage 3 (stage={stage}): only ZeRO-3 shards parameters")
+    if offload is not None and stage == 0:
+        raise ValueError(f"offload={offload!r} needs ZeRO stage 1-3 (stage=0): DeepSpeed offloads the optimizer "
+                         "partitions that ZeRO creates")
     P, N = n_params, world_size
     b = 2 if mixed else 4                       # bytes of a parameter / gradient element
     k = 12 if mixed else 8                      # optimizer bytes per parameter (master + m + v, or m + v)
@@ -153,14 +160,24 @@ def zero_model_state_bytes(n_params: int, world_size: int, stage: int, mixed: bo
     optimizer = k * P / N if stage >= 1 else k * P
     optimizer += 4 * step_counters
     cpu = 0.0
-    if offload is not None:
-        cpu, optimizer = optimizer, 0.0
+    if offload is not None:                     # ZeRO-Offload: gradients and optimizer state to the CPU
+        cpu, grads, optimizer = grads + optimizer, 0.0, 0.0
     if offload == "param":
         cpu, params = cpu + params, 0.0
     out = dict(params=params, grads=grads, optimizer=optimizer)
     out["total"] = params + grads + optimizer
     out["cpu"] = cpu
     return out
+
+
+def usable_offload(stage: int, offload: str | None) -> tuple[str | None, str]:
+    """The offload a ZeRO ``stage`` supports: ``(offload, note)``, with the choice dropped and the reason in ``note``
+    where the stage cannot offload it (the calculators' dropdowns)."""
+    if offload == "param" and stage != 3:
+        return None, "parameter offload needs stage 3: ignored"
+    if offload is not None and stage == 0:
+        return None, "offload needs ZeRO stage 1-3: ignored"
+    return offload, ""
 
 
 def zero_bytes_per_param(stage: int, world_size: int, mixed: bool = True) -> float:

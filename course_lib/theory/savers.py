@@ -18,8 +18,8 @@ Attention: naive attention keeps its softmax output, a (B, H, T, T) tensor per l
 of ``scaled_dot_product_attention`` (FlashAttention, Dao et al. 2022; memory-efficient attention, Rabe &
 Staats 2021) keep only the output and one log-sum-exp per query row, (B, H, T): O(T) instead of O(T^2).
 
-Budget fitting (:func:`fit_budget`): model state (fp32 Adam: 16 bytes per parameter, or 8 with the
-optimizer state offloaded) plus the activation peak of one micro-batch must fit in the device's budget;
+Budget fitting (:func:`fit_budget`): model state (fp32 Adam: 16 bytes per parameter, or 4 with ZeRO-Offload,
+which moves the gradients and the optimizer state to the CPU) plus the activation peak of one micro-batch must fit in the device's budget;
 gradient accumulation keeps the global batch while shrinking the micro-batch.
 """
 
@@ -34,7 +34,7 @@ from course_lib.theory.memory import (activation_bytes, dtype_bytes, num_param_t
                                       training_memory_bytes)
 
 __all__ = ["attention_saved_bytes", "model_activation_bytes", "checkpointed_activation_bytes",
-           "selective_layer_bytes", "best_checkpoint_every", "recompute_flops", "recompute_flops_ratio", "plan_bytes",
+           "selective_layer_bytes", "korthikanti_layer_bytes", "best_checkpoint_every", "recompute_flops", "recompute_flops_ratio", "plan_bytes",
            "planner_bytes", "fit_budget"]
 
 
@@ -125,6 +125,18 @@ def checkpointed_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: in
     return dict(held=held, peak=peak, per_layer=A, boundary=s, segments=segments, other=other)
 
 
+def korthikanti_layer_bytes(cfg: ModelConfig, seq_len: int | None = None, selective: bool = False) -> dict:
+    """Activation bytes per token of one transformer block in 16-bit, as Korthikanti et al. (2022) count them
+    (section 4.1, equation 1: ``sbh(34 + 5as/h)`` bytes per layer; no parallelism, naive attention, dropout masks
+    included): ``34C + 5aT`` per token, ``a`` heads, ``T`` the sequence length. ``selective=True`` recomputes the
+    attention core (section 5): ``34C``. Returns ``dict(per_token=, boundary=2C, ratio=)``: ``ratio`` is A/s,
+    a block's activations over its 16-bit input, the ratio the sqrt(L s / A) rule needs."""
+    T = cfg.seq_len if seq_len is None else seq_len
+    C, a = cfg.d_model, cfg.n_head
+    per_token = 34 * C + (0 if selective else 5 * a * T)
+    return dict(per_token=per_token, boundary=2 * C, ratio=per_token / (2 * C))
+
+
 def best_checkpoint_every(n_layer: int, per_layer: float, boundary: float) -> dict:
     """The k that minimises ceil(L/k) s + k A (the backward peak of the blocks' activations), and the
     continuous optimum sqrt(L s / A). Returns ``dict(every=, continuous=, peak=)``."""
@@ -155,9 +167,12 @@ def recompute_flops_ratio(checkpointed_fraction: float = 1.0) -> float:
 def plan_bytes(cfg: ModelConfig, micro_batch: int, every: int | None = None, offload: str | None = None,
                seq_len: int | None = None) -> dict:
     """Device bytes of one training plan: fp32 AdamW model state (16P + torch's 4-byte step counters; with
-    ``offload='optimizer'`` the 8P of moments live in CPU memory) + the activation peak of one micro-batch."""
+    ``offload='optimizer'``, ZeRO-Offload on one device, the gradients and the moments live in CPU memory and only
+    the 4P of parameters stay) + the activation peak of one micro-batch."""
+    if offload not in (None, "optimizer"):
+        raise ValueError(f"offload={offload!r}: one device offloads None or 'optimizer'")
     state = training_memory_bytes(cfg, "adamw", torch.float32, step_counters=num_param_tensors(cfg))
-    device_state = state["total"] - (state["optimizer"] if offload == "optimizer" else 0)
+    device_state = state["params"] if offload == "optimizer" else state["total"]
     act = checkpointed_activation_bytes(cfg, micro_batch, seq_len, every)["peak"]
     return dict(state=device_state, activations=act, cpu=state["total"] - device_state, total=device_state + act)
 

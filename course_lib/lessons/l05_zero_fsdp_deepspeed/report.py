@@ -10,7 +10,7 @@ The calculator is `course_lib.theory.memory.per_rank_bytes`: formula, not measur
 from __future__ import annotations
 
 from course_lib.config import PRESETS
-from course_lib.theory.memory import per_rank_bytes
+from course_lib.theory.memory import per_rank_bytes, usable_offload
 
 __all__ = ["format_table", "comparison_chart", "zero_calculator"]
 
@@ -70,11 +70,11 @@ def zero_calculator():
     def update(*_):
         with out:
             out.clear_output(wait=True)
-            off = offload.value if (offload.value != "param" or stage.value == 3) else None
+            off, note = usable_offload(stage.value, offload.value)
             cur = per_rank_bytes(PRESETS[preset.value], n.value, stage.value, off, mixed.value, mb.value)
             print(f"{preset.value}, N={n.value}, stage {stage.value}, offload {off}: "
                   f"{cur['device_total'] / 1e9:.2f} GB per rank on the device "
-                  f"(+{cur['cpu'] / 1e9:.2f} GB in CPU memory); formula, not measured")
+                  f"(+{cur['cpu'] / 1e9:.2f} GB in CPU memory); formula, not measured" + (f" ({note})" if note else ""))
             fig, ax = plt.subplots(figsize=(7, 3.2))
             parts = ("params", "grads", "optimizer", "activations")
             for s in range(4):

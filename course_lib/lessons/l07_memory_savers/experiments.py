@@ -29,10 +29,12 @@ from course_lib.data import random_batches
 from course_lib.lessons.common import grads_of, train_variant
 from course_lib.measure import SavedActivations, count_flops, hardware_label, model_state_bytes, time_fn
 from course_lib.model import build_model
-from course_lib.parallel.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
+from course_lib.parallel.checkpointing import (apply_activation_checkpointing, recompute_attention_core,
+                                              remove_activation_checkpointing)
 from course_lib.theory.savers import attention_saved_bytes, checkpointed_activation_bytes
 
 __all__ = ["LiveActivations", "measure_step", "naive_attention", "use_attention", "checkpoint_sweep",
+           "selective_policies",
            "attention_sweep", "accumulation_sweep", "accumulate_step", "rank_offload"]
 
 
@@ -180,6 +182,37 @@ def checkpoint_sweep(cfg, batch: int, everys=(None, 1, 2, 4), selective: bool = 
     for row in rows:
         row["step_s"] = statistics.median(row["times"][1:]) if cost else None
     remove_activation_checkpointing(model)
+    return rows
+
+
+SELECTIVE_POLICIES = ("none", "op policy", "attention core")
+
+
+def selective_policies(cfg, batch: int, seed: int = 0) -> list[dict]:
+    """The two selective checkpointings of section 2.3, with SDPA and with naive attention: one step each with no
+    checkpointing, the operator-level policy (``apply_activation_checkpointing(selective=True)``, torchtitan's) and
+    the recomputed attention core (``recompute_attention_core``, Korthikanti et al.'s). Rows: attention, policy,
+    held and peak activation bytes (measured), matmul FLOPs of the step, largest gradient difference from that
+    attention's plain step."""
+    model = build_model(cfg, seed)
+    x, y = random_batches(cfg, batch, 1, seed)[0]
+    step = lambda: model.loss(x, y).backward()  # noqa: E731
+    rows = []
+    for kind in ("sdpa", "naive"):
+        with use_attention(model, kind):
+            ref = None
+            for policy in SELECTIVE_POLICIES:
+                remove_activation_checkpointing(model)
+                if policy == "op policy":
+                    apply_activation_checkpointing(model, every=1, selective=True)
+                elif policy == "attention core":
+                    recompute_attention_core(model)
+                m = measure_step(model, x, y)
+                ref = ref or m
+                rows.append(dict(attention=kind, policy=policy, held=m["held"], peak=m["peak"],
+                                 flops=count_flops(step),
+                                 dgrad=max((m["grads"][k] - ref["grads"][k]).abs().max().item() for k in ref["grads"])))
+            remove_activation_checkpointing(model)
     return rows
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from course_lib.config import PRESETS
 from course_lib.measure import fmt_bytes
+from course_lib.theory.memory import usable_offload
 from course_lib.theory.savers import best_checkpoint_every, checkpointed_activation_bytes, planner_bytes
 
-__all__ = ["checkpoint_table", "checkpoint_figure", "attention_table", "attention_figure", "accumulation_table",
+__all__ = ["checkpoint_table", "selective_table", "checkpoint_figure", "attention_table", "attention_figure", "accumulation_table",
            "savers_planner"]
 
 
@@ -39,6 +40,20 @@ def checkpoint_table(rows: list[dict], hardware: str) -> str:
                     f"{r['step_s'] / plain['step_s']:7.2f}")
         lines.append(f"{r['label']:10s} {r['held'] / 1e3:9.1f} {r['est_held'] / 1e3:9.1f} {r['peak'] / 1e3:9.1f} "
                      f"{r['est_peak'] / 1e3:9.1f} {r['held'] / plain['held']:10.3f} {cost} {r['dgrad']:10.1e}")
+    return "\n".join(lines)
+
+
+def selective_table(rows: list[dict], hardware: str) -> str:
+    """``experiments.selective_policies``: held / peak activation bytes and matmul FLOPs per attention and policy,
+    relative to that attention's plain step."""
+    plain = {r["attention"]: r for r in rows if r["policy"] == "none"}
+    head = (f"{'attention':9s} {'selective':15s} {'held KB':>9s} {'peak KB':>9s} {'held/plain':>10s} "
+            f"{'FLOP x':>7s} {'max|dgrad|':>10s}")
+    lines = [f"measured on {hardware}", head, "-" * len(head)]
+    for r in rows:
+        p = plain[r["attention"]]
+        lines.append(f"{r['attention']:9s} {r['policy']:15s} {r['held'] / 1e3:9.1f} {r['peak'] / 1e3:9.1f} "
+                     f"{r['held'] / p['held']:10.3f} {r['flops'] / p['flops']:7.3f} {r['dgrad']:10.1e}")
     return "\n".join(lines)
 
 
@@ -134,13 +149,13 @@ def savers_planner():
     def update(*_):
         with out:
             out.clear_output(wait=True)
-            off = offload.value if (offload.value != "param" or stage.value == 3) else None
+            off, note = usable_offload(stage.value, offload.value)
             args = (PRESETS[preset.value], n.value, stage.value, off, mixed.value, mb.value)
             cur = planner_bytes(*args, every=every.value, global_batch=gb.value)
             fits = "fits" if cur["device_total"] <= budget.value * 1e9 else "does NOT fit"
             print(f"{fmt_bytes(cur['device_total'])} per device ({fits} in {budget.value:g} GB), "
                   f"+{fmt_bytes(cur['cpu'])} in CPU memory; {cur['accum_steps']} accumulation steps "
-                  f"per optimizer step. Formula, not measured.")
+                  f"per optimizer step. Formula, not measured." + (f" ({note})" if note else ""))
             fig, ax = plt.subplots(figsize=(7, 3.2))
             for i, k in enumerate((None, 1, 2, 4)):
                 b = planner_bytes(*args, every=k, global_batch=gb.value)
