@@ -75,6 +75,21 @@ def test_own_scaler_equals_gradscaler_over_200_steps():
     assert sum(not s for s in ref["stepped"]) == res["n_overflows"]              # every overflow skipped
 
 
+def test_deepspeed_hysteresis_backs_off_on_the_hysteresis_th_overflow():
+    """DeepSpeed's fp16 scaler (its own code): with hysteresis 2 the first overflow only skips, the second backs off
+    even after clean steps; consecutive_hysteresis forgives an overflow followed by a clean step; GradScaler's kernel
+    backs off on every overflow; hysteresis 1 is GradScaler's rule."""
+    t = precision_lab.hysteresis_traces("x.x....xx", hysteresis=2, window=3, init_scale=1024.0)
+    assert t["GradScaler"][:3] == [512.0, 512.0, 256.0]
+    assert t["DeepSpeed hysteresis=2"][:3] == [1024.0, 1024.0, 512.0]              # not consecutive, still backs off
+    assert t["DeepSpeed hysteresis=2, consecutive"][:3] == [1024.0, 1024.0, 1024.0]
+    assert t["DeepSpeed hysteresis=2, consecutive"][-2:] == [2048.0, 1024.0]        # "xx": consecutive, backs off
+    one = precision_lab.hysteresis_traces("x.x.xx", hysteresis=1, window=1000, init_scale=1024.0)
+    assert one["DeepSpeed hysteresis=1"] == one["GradScaler"] == [512.0, 512.0, 256.0, 256.0, 128.0, 64.0]
+    with pytest.raises(ValueError, match="pattern"):
+        precision_lab.hysteresis_traces("x1")
+
+
 def test_scaler_keeps_the_scale_when_growing_would_overflow_fp32():
     own = DynamicLossScaler(init_scale=2.0 ** 127, growth_interval=1)
     ref = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, growth_interval=1)

@@ -7,6 +7,7 @@
 - `gradient_underflow`: a real fp16 training step of the course's GPT; share of gradient elements lost to zero.
 - `autocast_dtypes`, `train_modes`, `speed_and_memory`: autocast, master weights and what low precision costs.
 - `rank_deepspeed`: DeepSpeed's ``bf16`` block (and ``fp16`` where a GPU is present) next to fp32.
+- `hysteresis_traces`: GradScaler's update kernel and DeepSpeed's fp16 `DynamicLossScaler` fed one overflow pattern.
 Functions named ``rank_*`` run inside `course_lib.launch.run`.
 """
 
@@ -26,7 +27,7 @@ from course_lib.parallel.precision import DynamicLossScaler, MasterWeightOptimiz
 
 __all__ = ["SCALER_KW", "overflow_steps", "inject_overflow", "scaler_trace", "rank_scaler_agreement",
            "gradient_underflow", "autocast_dtypes", "PrecisionMode", "PRECISION_MODES", "train_modes",
-           "speed_and_memory", "rank_deepspeed"]
+           "speed_and_memory", "rank_deepspeed", "hysteresis_traces"]
 
 SCALER_KW = dict(init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=10)
 
@@ -243,4 +244,36 @@ def rank_deepspeed(cfg, batches) -> dict:
     except Exception as e:  # noqa: BLE001 - DeepSpeed refuses fp16 on its CPU accelerator
         out["ds2-fp16"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     out["backend"] = cdist.backend()
+    return out
+
+
+def hysteresis_traces(pattern: str, hysteresis: int = 2, window: int = 3, init_scale: float = 2.0 ** 16) -> dict:
+    """The loss scale after each step of ``pattern`` ('x' an overflow, '.' a clean step) under three rules, all run
+    by the libraries' own code: GradScaler (``torch._amp_update_scale_``, the kernel ``GradScaler.update`` calls:
+    every overflow backs off), and DeepSpeed's fp16 ``DynamicLossScaler`` with ``hysteresis`` (``delayed_shift``),
+    without and with ``consecutive_hysteresis``. ``window`` is GradScaler's ``growth_interval`` and DeepSpeed's
+    ``loss_scale_window``. DeepSpeed asks for the rank only to log; it is given rank 0 here, no process group."""
+    from unittest import mock
+
+    import_deepspeed()
+    from deepspeed.runtime.fp16 import loss_scaler
+
+    if set(pattern) - {"x", "."}:
+        raise ValueError(f"pattern={pattern!r}: use 'x' for an overflow and '.' for a clean step")
+    scale, tracker = torch.tensor(float(init_scale)), torch.zeros((), dtype=torch.int32)
+    grad_scaler = []
+    for c in pattern:
+        torch._amp_update_scale_(scale, tracker, torch.tensor(float(c == "x")), 2.0, 0.5, window)
+        grad_scaler.append(scale.item())
+    out = {"GradScaler": grad_scaler}
+    with mock.patch.object(loss_scaler.dist, "get_rank", return_value=0):
+        for consecutive in (False, True):
+            ds = loss_scaler.DynamicLossScaler(init_scale=init_scale, scale_window=window, min_scale=1,
+                                               delayed_shift=hysteresis, consecutive_hysteresis=consecutive)
+            trace = []
+            for c in pattern:
+                ds.update_scale(c == "x")
+                trace.append(float(ds.cur_scale))
+            name = f"DeepSpeed hysteresis={hysteresis}" + (", consecutive" if consecutive else "")
+            out[name] = trace
     return out
