@@ -21,13 +21,15 @@ def cmd_build(args: argparse.Namespace) -> int:
     solutions = args.solutions or _default("solutions")
     exercises = args.exercises or str(Path(solutions).resolve().parent / "exercises")
     try:
-        changed = build(solutions, exercises, check=args.check)
+        from course_lib.glossary import sync_course
+        changed = sync_course(Path(solutions).resolve().parent, check=args.check)
+        changed += build(solutions, exercises, check=args.check)
     except Exception as exc:  # noqa: BLE001 - report one line, exit 2
         print(f"course build: {exc}", file=sys.stderr)
         return 2
     if args.check:
         if changed:
-            print("stale exercise notebooks (run `course build`):")
+            print("stale exercise notebooks or glossary tables (run `course build`):")
             print("\n".join(f"  {c}" for c in changed))
             return 1
         print(f"exercises up to date ({exercises})")
