@@ -11,6 +11,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "course_lib"
 
@@ -54,3 +56,19 @@ def test_notebooks_import_modules_under_words():
                 continue
             for name in alias.findall("".join(cell["source"])):
                 assert len(name) > 3, f"{path.relative_to(ROOT)}: `as {name}`: name a course module with a word"
+
+
+def test_show_prints_the_course_code_a_lesson_names():
+    """`lessons.common.show`: the lines between two markers of a (decorated) function, its file and line named."""
+    from course_lib.lessons.common import show, source_lines
+    from course_lib.parallel.zero import ZeroOptimizer
+
+    code = show(ZeroOptimizer._reduce_scatter_unit, "send = ", "out.div_(N)")     # under @torch.no_grad()
+    first, *body = code.data.splitlines()
+    assert first.startswith("# course_lib/parallel/zero.py, line ") and "_reduce_scatter_unit" in first
+    assert body[0].startswith("send = ") and body[-1] == "out.div_(N)"
+    assert source_lines(ZeroOptimizer._make_grad_hook).startswith("def _make_grad_hook(")
+    assert '"""' not in source_lines(ZeroOptimizer._reduce_scatter_unit)                 # docstring left out
+    assert '"""' in source_lines(ZeroOptimizer._reduce_scatter_unit, docstring=True)
+    with pytest.raises(ValueError, match="not in the source"):
+        source_lines(ZeroOptimizer._make_grad_hook, "no such line")

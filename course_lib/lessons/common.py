@@ -15,7 +15,9 @@ ZeRO-1/2/3, FSDP2, DeepSpeed). Data comes from `course_lib.data.random_batches`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
+import textwrap
 import statistics
 import time
 from typing import Callable
@@ -33,11 +35,64 @@ from course_lib.parallel.zero import ZeroOptimizer
 
 __all__ = ["COLORS", "small_config", "on_gpus", "by_device", "shard_batch", "params_of", "grads_of", "train_reference",
            "global_mean", "relative_error", "max_relative_error", "max_abs_error", "Variant", "VARIANTS",
-           "import_deepspeed", "deepspeed_accepts_fp16", "deepspeed_config", "train_variant"]
+           "import_deepspeed", "deepspeed_accepts_fp16", "deepspeed_config", "train_variant", "show", "source_lines"]
 
 # One colour per part of memory and of a step's time, in every lesson's figures.
 COLORS = dict(params="#4C72B0", grads="#DD8452", optimizer="#55A868", master="#8172B3", activations="#C44E52",
               compute="#4C72B0", communication="#DD8452", overlap="#8172B3", idle="#BBBBBB")
+
+
+# ----------------------------------------------------------------------------- reading the course's code
+
+def source_lines(obj, start: str | None = None, end: str | None = None, docstring: bool = False) -> str:
+    """The source of a function, method or class, dedented: from the first line that contains ``start`` to the
+    first later line that contains ``end`` (both included; None: the whole definition), with the docstring left
+    out unless ``docstring``. Raises ValueError naming the marker that is not in the source."""
+    src = textwrap.dedent(inspect.getsource(obj))
+    if not docstring:
+        doc = inspect.getdoc(obj)
+        body = _docstring_span(src) if doc else None
+        if body:
+            src = src[:body[0]] + src[body[1]:]
+    lines = src.splitlines()
+    first = 0 if start is None else next((i for i, ln in enumerate(lines) if start in ln), None)
+    if first is None:
+        raise ValueError(f"{start!r} is not in the source of {getattr(obj, '__qualname__', obj)}")
+    last = len(lines) - 1 if end is None else next((i for i in range(first, len(lines)) if end in lines[i]), None)
+    if last is None:
+        raise ValueError(f"{end!r} is not in the source of {getattr(obj, '__qualname__', obj)} after {start!r}")
+    return textwrap.dedent("\n".join(lines[first:last + 1]))
+
+
+def _docstring_span(src: str) -> tuple[int, int] | None:
+    """Character span of the first definition's docstring line(s) in ``src`` (with their newline), or None."""
+    import ast
+
+    tree = ast.parse(src)
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or not node.body:
+        return None
+    first = node.body[0]
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)):
+        return None
+    offsets = [0]
+    for line in src.splitlines(keepends=True):
+        offsets.append(offsets[-1] + len(line))
+    return offsets[first.lineno - 1], offsets[first.end_lineno]
+
+
+def show(obj, start: str | None = None, end: str | None = None, docstring: bool = False):
+    """Show the course's own code in a lesson, highlighted: ``show(ZeroOptimizer._make_grad_hook)``, or the lines
+    of ``obj`` from ``start`` to ``end`` (see :func:`source_lines`). The title line names the file and the line, so
+    the learner can open the whole of it. Returns an ``IPython.display.Code`` (plain text outside a notebook)."""
+    from IPython.display import Code
+
+    plain = inspect.unwrap(obj)                 # a decorated function (@torch.no_grad()): the function itself
+    path = inspect.getsourcefile(plain) or "?"
+    line = inspect.getsourcelines(plain)[1]
+    where = path[path.rfind("course_lib"):] if "course_lib" in path else path
+    title = f"# {where}, line {line}: {getattr(obj, '__qualname__', obj)}"
+    return Code(title + "\n" + source_lines(obj, start, end, docstring), language="python")
 
 
 # ----------------------------------------------------------------------------- models, batches, references

@@ -1,4 +1,5 @@
-"""Lesson 04's figure: parameters and activations per rank under tensor and sequence parallelism."""
+"""Lesson 04's figures: parameters and activations per rank, and the bytes one layer sends, under tensor and
+sequence parallelism."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from course_lib.lessons.common import COLORS
+from course_lib.theory.tensor import bytes_sent_per_rank, layer_collectives
 
-__all__ = ["tp_memory_figure"]
+__all__ = ["tp_memory_figure", "tp_comm_figure"]
 
 
 def tp_memory_figure(rows: list[dict], hardware: str, unit: float = 1e3, unit_name: str = "KB"):
@@ -33,5 +35,31 @@ def tp_memory_figure(rows: list[dict], hardware: str, unit: float = 1e3, unit_na
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle(f"Memory per rank under tensor parallelism\n{hardware}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def tp_comm_figure(rows: list[dict], cfg, batch: int, hardware: str, unit: float = 1e6, unit_name: str = "MB"):
+    """Lesson 04: bytes one rank sends for one layer over a ring, forward and backward, measured (the counted
+    collectives ``row["layer_comm"]``) next to :func:`course_lib.theory.tensor.layer_collectives`, for every tp > 1
+    with and without sequence parallelism."""
+    rows = [r for r in rows if r["tp"] > 1]
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    x = np.arange(len(rows))
+    for k, (phase, color) in enumerate((("forward", COLORS["compute"]), ("backward", COLORS["communication"]))):
+        measured, formula = [], []
+        for r in rows:
+            f = layer_collectives(cfg, batch, cfg.seq_len, r["tp"], r["sp"])
+            measured.append(bytes_sent_per_rank({key: v for key, v in r["layer_comm"].items() if key[0] == phase},
+                                                r["tp"]) / unit)
+            formula.append(bytes_sent_per_rank({key: v for key, v in f.items() if key[0] == phase}, r["tp"]) / unit)
+        off = (k - 0.5) * 0.38
+        ax.bar(x + off, measured, width=0.36, color=color, label=f"measured, {phase}")
+        ax.plot(x + off, formula, "k_", ms=20, mew=2, label="formula" if k == 0 else None)
+    ax.set_xticks(x, [f"tp={r['tp']}" + (" + SP" if r["sp"] else "") for r in rows])
+    ax.set_ylabel(f"{unit_name} sent per rank (ring)")
+    ax.set_title(f"One layer's tensor-parallel communication, micro-batch {batch} x T={cfg.seq_len}\n{hardware}",
+                 fontsize=9)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
