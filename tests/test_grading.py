@@ -183,16 +183,41 @@ def test_build_output_is_a_clean_deterministic_student_copy(tmp_path):
                 assert a.source == b.source and a.metadata.get("course") == b.metadata.get("course")
 
 
-def test_strip_solution_keeps_indentation_and_hint():
-    src = ("def f(x):\n    ### BEGIN SOLUTION\n    ### HINT: use x twice\n    return x + x\n    ### END SOLUTION\n\n"
-           "y = 1\n### BEGIN SOLUTION\ny = 2\n### END SOLUTION\nprint(y)")
-    out = nbio.strip_solution(src)
-    assert out == ('def f(x):\n    raise NotImplementedError("use x twice")\n\ny = 1\n'
-                   'raise NotImplementedError("use x twice")\nprint(y)')
+def test_strip_solution_keeps_indentation_and_names_the_hint_call():
+    src = ("def f(x):\n    ### BEGIN SOLUTION\n    ### HINT 1: x, twice\n    ### HINT 2: the + operator\n"
+           "    return x + x\n    ### END SOLUTION\n\ny = 1\n### BEGIN SOLUTION\ny = 2\n### END SOLUTION\nprint(y)")
+    out = nbio.strip_solution(src, exercise="09-double")
+    stub = nbio.stub_message("09-double")
+    assert out == (f'def f(x):\n    raise NotImplementedError({json.dumps(stub)})\n\ny = 1\n'
+                   f'raise NotImplementedError({json.dumps(stub)})\nprint(y)')
+    assert "hint('09-double')" in stub and "twice" not in out and "operator" not in out
+    assert nbio.hints_of(src) == [["x, twice"], ["the + operator"]]
     assert "GENERIC" not in nbio.strip_solution("### BEGIN SOLUTION\nx=1\n### END SOLUTION")
     for bad in ("### BEGIN SOLUTION\nx", "### END SOLUTION", "### BEGIN SOLUTION\n### BEGIN SOLUTION\n"):
         with pytest.raises(nbio.NotebookError):
             nbio.strip_solution(bad)
+
+
+def test_hints_come_in_two_steps_and_never_hold_the_solution(capsys):
+    """Every exercise with an answer region has a first and a second hint; no line of its answer is in them; hint()
+    shows one step per call."""
+    from course_lib.grading.hints import hint
+    hints = json.loads(gbuild.expected_hints(SOLUTIONS))
+    assert hints == json.loads(gbuild.HINTS_FILE.read_text())
+    for path in SOLUTIONS.glob("*.ipynb"):
+        nb = nbio.read(path)
+        for i, ex in gbuild.answer_exercises(nb).items():
+            assert all(hints[ex]), f"{path.name}: {ex} needs a ### HINT 1 and a ### HINT 2"
+            src = nbio.source(nb.cells[i])
+            body = src[src.index(nbio.BEGIN):src.rindex(nbio.END)]
+            for line in body.splitlines():
+                code = line.strip()
+                if len(code) > 12 and not code.startswith("#"):
+                    assert code not in " ".join(hints[ex]), f"{ex}: the hint holds the answer line {code!r}"
+    first, second, third = (hint("02-ring-all-reduce") for _ in range(3))
+    assert first.startswith("hint 1 of 2") and second.startswith("hint 2 of 2") and "no more hints" in third
+    with pytest.raises(KeyError, match="no exercise"):
+        hint("99-nothing")
 
 
 # ------------------------------------------------------------------------------------------ checks

@@ -7,14 +7,18 @@ A failing check raises `CheckFailed` (an ``AssertionError``) with a one-line mes
 
     check 'sum over 2 ranks' failed: expected 5050, got 2525. Hint: combine the partial sums
 
-The message shows the expected value of *that* check only (never the reference code). For quiz
-answers pass ``reveal=False``: the message then says "wrong value" and the hint, nothing more.
+The message shows the expected value of *that* check only (never the reference code). Quiz answers use
+``check_answer(name, actual, digest)``: the cell holds a salted hash of the answer, not the answer, so the
+learner's copy does not spell it; the message says "wrong value" and the hint, nothing more. The digest is
+``answer_digest(name, expected)`` (``python -m course_lib.grading.check digest NAME VALUE [RTOL]``).
 This module imports nothing heavy (torch is only touched when a value is a tensor).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import sys
 from typing import Any
 
 MAX_SHOWN = 120  # characters of a value shown in a message
@@ -144,3 +148,68 @@ def check_shape(name: str, actual: Any, expected_shape: tuple, *, hint: str = ""
     shape = _shape_of(actual)
     if shape != tuple(expected_shape):
         raise CheckFailed(name, f"expected shape {tuple(expected_shape)}, got shape {shape}", hint)
+
+
+# ------------------------------------------------------------------------------ answers checked by hash
+
+SALT = "llm-scale-course/quiz/v1"
+
+
+def _digest(name: str, canonical: str) -> str:
+    return hashlib.sha256(f"{SALT}|{name}|{canonical}".encode()).hexdigest()[:24]
+
+
+def _canonical(value: Any, rtol: float | None, spread: int = 0) -> list[str]:
+    """The strings ``value`` hashes to: exact (``rtol`` None: an integral number, a bool or a word), or its
+    relative bucket of width ``rtol`` (and ``spread`` buckets either side, for the answer being checked)."""
+    value = _plain(value)
+    if isinstance(value, bool):
+        return [f"bool:{value}"]
+    if isinstance(value, str):
+        return [f"str:{value.strip().lower()}"]
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return []
+    if math.isnan(x) or math.isinf(x):
+        return []
+    if rtol is None:
+        return [f"int:{int(x)}" if x.is_integer() else f"float:{x!r}"]
+    if x == 0:
+        return ["zero"]
+    b = math.floor(math.log(abs(x)) / math.log1p(rtol))
+    sign = "-" if x < 0 else "+"
+    return [f"{sign}{k}" for k in range(b - spread, b + spread + 1)]
+
+
+def answer_digest(name: str, expected: Any, rtol: float | None = None) -> str:
+    """The digest ``check_answer(name, ..., digest, rtol=rtol)`` accepts for ``expected`` (salted with the
+    check's name, so equal answers of two questions hash differently)."""
+    canon = _canonical(expected, rtol)
+    if not canon:
+        raise ValueError(f"{expected!r}: an answer is a number, a bool or a word")
+    return _digest(name, canon[0])
+
+
+def check_answer(name: str, actual: Any, digest: str, *, rtol: float | None = None, hint: str = "") -> None:
+    """``actual`` is the answer whose ``answer_digest`` is ``digest``: exactly (``rtol`` None) or within about
+    ``rtol`` to ``2 rtol`` relative (the answer's bucket and its neighbours). Never shows the answer."""
+    if actual is None:
+        raise CheckFailed(name, "not answered yet (the answer is None)", hint)
+    if not any(_digest(name, c) == digest for c in _canonical(actual, rtol, spread=1)):
+        raise CheckFailed(name, "wrong value", hint)
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m course_lib.grading.check digest NAME VALUE [RTOL]``: print the digest of an answer."""
+    if len(argv) not in (3, 4) or argv[0] != "digest":
+        print(_main.__doc__, file=sys.stderr)
+        return 2
+    import ast
+    value = ast.literal_eval(argv[2]) if argv[2] not in ("True", "False") else argv[2] == "True"
+    print(answer_digest(argv[1], value, float(argv[3]) if len(argv) == 4 else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

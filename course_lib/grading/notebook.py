@@ -19,7 +19,7 @@ import nbformat
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
-HINT_RE = re.compile(r"^\s*### HINT:\s*(.*?)\s*$")
+HINT_RE = re.compile(r"^\s*### HINT ([12]):\s*(.*?)\s*$")    # the first points to the idea, the second to the code
 GENERIC_HINT = "replace this line with your implementation"
 
 
@@ -77,10 +77,26 @@ def has_solution(cell: Any) -> bool:
     return cell.get("cell_type") == "code" and BEGIN in source(cell)
 
 
-def strip_solution(src: str, where: str = "cell") -> str:
-    """Replace every answer region of ``src`` by a stub raising NotImplementedError(hint)."""
+def hints_of(src: str) -> list[list[str]]:
+    """The stepped hints of the answer regions of ``src``: ``[[first hints...], [second hints...]]``."""
+    steps: list[list[str]] = [[], []]
+    for m in filter(None, map(HINT_RE.match, src.split("\n"))):
+        steps[int(m.group(1)) - 1].append(m.group(2))
+    return steps
+
+
+def stub_message(exercise: str | None) -> str:
+    """What a student copy's stub raises: the exercise, and how to ask for a hint (never the hint itself)."""
+    if not exercise:
+        return GENERIC_HINT
+    return (f"exercise {exercise}: not implemented yet. For a hint, run: "
+            f"from course_lib.grading.hints import hint; hint({exercise!r})")
+
+
+def strip_solution(src: str, where: str = "cell", exercise: str | None = None) -> str:
+    """Replace every answer region of ``src`` by a stub raising NotImplementedError(:func:`stub_message`)."""
     lines = src.split("\n")
-    hint = next((m.group(1) for m in map(HINT_RE.match, lines) if m), None) or GENERIC_HINT
+    hint = stub_message(exercise)
     out, inside, indent = [], False, ""
     for n, line in enumerate(lines, 1):
         stripped = line.strip()

@@ -35,7 +35,7 @@ from course_lib.parallel.zero import ZeroOptimizer
 
 __all__ = ["COLORS", "small_config", "on_gpus", "by_device", "shard_batch", "params_of", "grads_of", "train_reference",
            "global_mean", "relative_error", "max_relative_error", "max_abs_error", "Variant", "VARIANTS",
-           "import_deepspeed", "deepspeed_accepts_fp16", "deepspeed_config", "train_variant", "show", "source_lines"]
+           "import_deepspeed", "deepspeed_accepts_fp16", "deepspeed_config", "train_variant", "show", "source_lines", "after_prediction"]
 
 # One colour per part of memory and of a step's time, in every lesson's figures.
 COLORS = dict(params="#4C72B0", grads="#DD8452", optimizer="#55A868", master="#8172B3", activations="#C44E52",
@@ -79,6 +79,19 @@ def _docstring_span(src: str) -> tuple[int, int] | None:
     for line in src.splitlines(keepends=True):
         offsets.append(offsets[-1] + len(line))
     return offsets[first.lineno - 1], offsets[first.end_lineno]
+
+
+def after_prediction(prediction, compare) -> bool:
+    """Run ``compare()`` (the lines that read a measurement against the learner's prediction) only once there is a
+    prediction: every lesson's predictions start as None, and until one is written the cell says so instead of
+    giving the reading away. A dict of predictions counts as written when none of its values is None."""
+    values = prediction.values() if isinstance(prediction, dict) else [prediction]
+    if any(v is None for v in values):
+        print("-> write your prediction in the cell above (it is still None), then run this cell again: the "
+              "comparison with the measurement appears then")
+        return False
+    compare()
+    return True
 
 
 def show(obj, start: str | None = None, end: str | None = None, docstring: bool = False):

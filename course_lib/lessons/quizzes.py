@@ -1,0 +1,89 @@
+"""The self-check quizzes of the lesson notebooks, checked against salted digests: the notebook never spells an answer.
+
+    q1 = None   # your answer
+    quiz("03", {"q1": q1, "q2": q2, "q3": q3})      # prints right / not yet (with a pointer) / not answered yet
+
+Digests come from ``course_lib.grading.check.answer_digest(f"lesson {lesson} quiz {q}", expected, rtol)``;
+tests/test_quizzes.py computes every expected value from the course's formulas and checks the digests (the
+answers live there, not in the notebooks). Graded quizzes (``exercises/``) use ``check_answer`` the same way.
+"""
+
+from __future__ import annotations
+
+from course_lib.grading.check import CheckFailed, check_answer
+
+__all__ = ["QUIZZES", "quiz"]
+
+# lesson -> question -> (digest, rtol or None for an exact answer, where to look when it is not right)
+QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
+    "00": {
+        "q1": ("fbe4d30ce88d5ddc980977fa", None, "section 3: a sum over every rank's value"),
+        "q2": ("6f8e698bef48ef074250d0f4", None, "section 3: all_gather concatenates one tensor per rank"),
+        "q3": ("e72aee0cc331979ef46b4155", None, "section 3: what broadcast writes on the other ranks"),
+    },
+    "01": {
+        "q1": ("2c82bb3b2288f233901935ec", 0.02, "section 1.1: 6N plus the attention term"),
+        "q2": ("561bd39045f34bf9bca83537", 0.02, "section 2.1: bytes per parameter of mixed-precision Adam"),
+        "q3": ("aa1ee8bc5dba0c425d9a4393", 0.02, "section 3: algorithm bandwidth times the bus factor of all_reduce"),
+    },
+    "02": {
+        "q1": ("0e3cd1b8de8cd2b71198c216", 0.001, "section 2: the ring all-reduce's bytes per rank"),
+        "q2": ("00cfaaf96aea25e563d956cb", 0.001, "section 2: bytes per rank times the number of ranks"),
+        "q3": ("f213efa0d27f84c974e4ace7", None, "section 4: no_sync skips the all-reduce of all but one micro-batch"),
+        "q4": ("f89ece4fc29ce47153584960", 0.001, "section 6: the scaling efficiency's definition"),
+    },
+    "03": {
+        "q1": ("cae43f5380fd0edd755638c8", 0.001, "section 5: the bubble fraction of GPipe"),
+        "q2": ("e173730504fdbed23c9fc0dc", None, "section 6: how many micro-batches 1F1B keeps in flight on each rank"),
+        "q3": ("c306118b3593f3876bc28b96", None, "section 9: the bubble with interleaving and with more micro-batches"),
+    },
+    "04": {
+        "q1": ("a174a9fa1a581c5bf261558c", None, "section 1: f and g, per attention and per MLP, forward and backward"),
+        "q2": ("09165646cbac3849e89ff188", 0.02, "section 2: one (B, T, C) activation in bf16"),
+        "q3": ("be257604b10fd3458bed66ad", 0.02, "section 4: sequence parallelism splits every activation"),
+    },
+    "05": {
+        "q1": ("69fcb9060218b015454d196e", 0.01, "section 1: the ZeRO-1 row of the table"),
+        "q2": ("33fa56850772916b0de7ce0b", 0.01, "section 1: the ZeRO-3 row of the table"),
+        "q3": ("4288ece98ad5c0ed6129e60f", 0.01, "section 3: reduce-scatter plus all-gather against an all-reduce"),
+    },
+    "06": {
+        "q1": ("f7500c2b21e5659a1a796308", 1e-06, "section 1: the largest exponent and mantissa of fp16"),
+        "q2": ("67a50bd92e795b7aca1452ef", 1e-06, "section 4: one back-off per overflow, one growth after growth_interval clean steps"),
+        "q3": ("07ea1b52a00306972430eb6a", None, "section 4: weights, gradients, master weights and two moments"),
+    },
+    "07": {
+        "q1": ("628ddcad8263b03e894162f7", 0.01, "section 4: the softmax output is (B, H, T, T)"),
+        "q2": ("85d5110fc46546c56501ca2b", None, "section 2.2: the sqrt rule and the integer next to it"),
+        "q3": ("30ec11f1bc48e6a914a11718", 0.01, "section 2.1: forward 1 unit, backward 2, recomputation"),
+    },
+}
+
+
+def quiz(lesson: str, answers: dict, run: dict | None = None) -> int:
+    """Print, per question, whether the answer is right, not yet (and where to look), or not answered yet.
+
+    ``run``: questions whose answer depends on this run's measurement, ``{q: expected}`` (compared, not hashed).
+    Returns the number of right answers; never raises, so a lesson runs top to bottom with empty answers."""
+    if lesson not in QUIZZES:
+        raise KeyError(f"no quiz for lesson {lesson!r}: lessons {', '.join(QUIZZES)}")
+    right = 0
+    for q, answer in answers.items():
+        if answer is None:
+            print(f"{q}: not answered yet")
+            continue
+        if run and q in run:
+            ok = answer == run[q]
+            print(f"{q}: {'right' if ok else 'not yet (compare with your own measurement above)'}")
+            right += ok
+            continue
+        if q not in QUIZZES[lesson]:
+            raise KeyError(f"lesson {lesson} has no quiz question {q!r}: {', '.join(QUIZZES[lesson])}")
+        digest, rtol, where = QUIZZES[lesson][q]
+        try:
+            check_answer(f"lesson {lesson} quiz {q}", answer, digest, rtol=rtol)
+            print(f"{q}: right")
+            right += 1
+        except CheckFailed:
+            print(f"{q}: not yet ({where})")
+    return right

@@ -1,0 +1,120 @@
+"""Quizzes: every answer is checked against a salted digest; the learner's notebooks and exercises never spell it.
+
+The expected values live here, computed from the course's formulas (the lessons' quiz cells hold only digests).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+import torch
+
+from course_lib import theory
+from course_lib.config import get_preset
+from course_lib.grading.check import CheckFailed, answer_digest, check_answer
+from course_lib.lessons.quizzes import QUIZZES, quiz
+
+ROOT = Path(__file__).resolve().parents[1]
+
+EXPECTED = {
+    "00": {"q1": sum(r * r for r in range(4)), "q2": 4 * 3, "q3": False},
+    "01": {"q1": theory.flops.flops_per_token(get_preset("gpt2-124m")) / 1e9,
+           "q2": theory.memory.mixed_precision_bytes(get_preset("llama-7b").num_params())["total"] / 1e9,
+           "q3": theory.comm.bus_bandwidth("all_reduce", 1e9, 0.05, 8) / 1e9},
+    "02": {"q1": 2 * 7 / 8 * 400, "q2": 2 * 4 * 10, "q3": 6, "q4": 3400 / (4 * 1000) * 100},
+    "03": {"q1": theory.pipeline.bubble_fraction(8, 24),
+           "q2": theory.pipeline.peak_microbatches_in_flight("1f1b", 8, 24, rank=2), "q3": "same"},
+    "04": {"q1": 4, "q2": 1 * 2048 * 12288 * 2 / 1e6, "q3": 1 / 8},
+    "05": {"q1": theory.memory.zero_model_state_bytes(13e9, 16, 1)["total"] / 1e9,
+           "q2": theory.memory.zero_model_state_bytes(13e9, 16, 3)["total"] / 1e9,
+           "q3": theory.memory.zero_comm_bytes(1, 16, 2)["vs_ddp"]},
+    "06": {"q1": torch.finfo(torch.float16).max, "q2": 2.0 ** 16 * 0.5 ** 3 * 2, "q3": 2 + 2 + 4 + 4 + 4},
+    "07": {"q1": 32 * 8192 ** 2 * 2 / 1e9, "q2": theory.savers.best_checkpoint_every(64, 16.0, 1.0)["every"],
+           "q3": theory.savers.recompute_flops_ratio(1.0)},
+}
+
+
+def test_digests_are_those_of_the_formulas():
+    assert set(EXPECTED) == set(QUIZZES)
+    for lesson, questions in QUIZZES.items():
+        assert set(questions) == set(EXPECTED[lesson]), lesson
+        for q, (digest, rtol, where) in questions.items():
+            assert answer_digest(f"lesson {lesson} quiz {q}", EXPECTED[lesson][q], rtol) == digest, (lesson, q)
+            assert where and not re.search(r"\d+\.\d{2,}", where), (lesson, q, where)
+
+
+def test_quiz_accepts_right_answers_and_refuses_wrong_ones(capsys):
+    for lesson, answers in EXPECTED.items():
+        assert quiz(lesson, dict(answers)) == len(answers)
+    out = capsys.readouterr().out
+    assert "not yet" not in out
+    wrong = {"q1": EXPECTED["03"]["q1"] * 1.05, "q2": EXPECTED["03"]["q2"] + 1, "q3": "interleave"}
+    assert quiz("03", wrong) == 0
+    assert quiz("03", {"q1": None}) == 0 and "not answered yet" in capsys.readouterr().out
+    assert quiz("01", {"q4": "memory"}, run={"q4": "memory"}) == 1
+
+
+def test_check_answer_tolerance_and_kinds():
+    d = answer_digest("x", 16.640625, 2e-3)
+    check_answer("x", 16.64, d, rtol=2e-3)
+    for bad in (16.8, -16.64, None, "16.64"):
+        with pytest.raises(CheckFailed):
+            check_answer("x", bad, d, rtol=2e-3)
+    check_answer("n", 48.0, answer_digest("n", 48))                  # an integral float is the integer
+    with pytest.raises(CheckFailed, match="wrong value"):
+        check_answer("n", 47, answer_digest("n", 48))
+    with pytest.raises(CheckFailed):
+        check_answer("other name", 48, answer_digest("n", 48))        # salted with the question
+    check_answer("w", " Same", answer_digest("w", "same"))
+    check_answer("b", False, answer_digest("b", False))
+    with pytest.raises(ValueError):
+        answer_digest("x", [1, 2])
+
+
+def test_no_notebook_spells_a_quiz_answer():
+    """The lessons' quiz cells hold no expected value (numbers or words) and start unanswered."""
+    for path in sorted((ROOT / "notebooks").glob("0*.ipynb")):
+        lesson = path.name[:2]
+        cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        quiz_cells = ["".join(c["source"]) for c in cells if "from course_lib.lessons.quizzes import quiz" in "".join(c["source"])]
+        assert len(quiz_cells) >= 1, path.name
+        text = "\n".join(quiz_cells)
+        numbers = [float(t.string) for t in tokenize.generate_tokens(io.StringIO(text).readline)
+                   if t.type == tokenize.NUMBER]
+        for q, value in EXPECTED[lesson].items():
+            if isinstance(value, str):
+                assert f'"{value}"' not in text.split("quiz(")[-1], (path.name, q)
+            elif not isinstance(value, bool):
+                assert not any(abs(x - value) <= 1e-9 * max(1, abs(value)) for x in numbers), (path.name, q, value)
+        every_cell = "\n".join("".join(c["source"]) for c in cells)
+        answers = re.findall(r"^(?:q\d\w*|answer_\w*) = (\S+)", every_cell, re.M)
+        assert answers and all(v == "None" for v in answers), (path.name, answers)
+
+
+def test_predictions_start_empty():
+    """Every prediction a lesson asks for starts as None (or a dict of None): nothing to copy from."""
+    import ast
+    found = 0
+    for path in sorted((ROOT / "notebooks").glob("0*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            for node in ast.walk(ast.parse("\n".join(l for l in "".join(cell["source"]).splitlines()
+                                                     if not l.lstrip().startswith(("%", "!"))))):
+                if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+                    continue
+                name = node.targets[0].id
+                if not re.match(r"(my_\w+|prediction\w*|predicted)$", name):
+                    continue
+                found += 1
+                value = node.value
+                empty = (isinstance(value, ast.Constant) and value.value is None) or (
+                    isinstance(value, ast.Dict) and all(isinstance(v, ast.Constant) and v.value is None
+                                                        for v in value.values))
+                assert empty, f"{path.name}: {name} starts filled in"
+    assert found >= 15
