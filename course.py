@@ -2,10 +2,13 @@
 """Set up and run the course with nothing but Python 3.10+ installed.
 
     python3 course.py lab     create .venv the first time, install, open JupyterLab on the course index
-    python3 course.py test    create .venv the first time, install, run every test (pytest + nbval)
+    python3 course.py test    create .venv the first time, install, run every test (pytest + nbval, or the
+                              browser test where Chromium is installed: see below)
+    python3 course.py test --browser   only the browser test: every lesson in JupyterLab in headless Chromium
     python3 course.py ARGS    anything else goes to the `course` command inside .venv (doctor, run, build, grade)
 
-The environment is re-installed when pyproject.toml changes. Only the standard library is used here.
+The environment is re-installed when pyproject.toml changes, or when a command needs an extra that is not installed
+yet (`browser`: playwright). Only the standard library is used here.
 """
 
 from __future__ import annotations
@@ -31,6 +34,14 @@ STAMP = VENV / ".course-installed"
 NBVAL_ARGS = ["--nbval-lax", "--nbval-cell-timeout=600", "--nbval-kernel-name=python3",
               "--sanitize-with", "tests/nbval_sanitize.cfg", "-p", "no:cacheprovider"]
 TEST_PATHS = ["tests", "notebooks"]
+#  3. tests/test_browser.py runs every lesson in JupyterLab 4 in headless Chromium (Run All; no error, no dialog, every
+#     widget reacts). Where Debian's chromium is installed (CI installs it in .ci/run), the test command installs the
+#     `browser` extra (playwright) and leaves the lessons to that test instead of nbval: it runs each lesson top to
+#     bottom, failing on any error as nbval does (the lessons compare no outputs), and checks what a learner sees
+#     besides. COURSE_BROWSER=required makes it fail, not skip, if it cannot run. Without Chromium, nbval runs the
+#     lessons and the browser test skips, saying why.
+BROWSER_TEST = "tests/test_browser.py"
+CHROMIUM = Path(os.environ.get("COURSE_CHROMIUM", "/usr/bin/chromium"))  # as course_lib.browser.chromium()
 # COURSE_NCCL_RULES=1: every rank started by the tests, lessons and solutions checks NCCL's rules on gloo
 # (course_lib/nccl_rules.py), so that what passes on a CPU does not fail or hang on GPUs.
 TEST_ENV = {"PYTHONHASHSEED": "0", "MPLBACKEND": "Agg", "COURSE_GRADE_LESSONS": "all", "COURSE_NCCL_RULES": "1"}
@@ -45,13 +56,18 @@ def requirements_hash() -> str:
     return hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
 
 
-def ensure_env() -> None:
-    """Create .venv and install the course into it, unless it is already up to date."""
+def ensure_env(extras: list[str]) -> None:
+    """Create .venv and install the course with ``extras`` into it, unless it is already up to date.
+
+    The stamp holds the hash of pyproject.toml and the extras installed; extras installed before are kept.
+    """
     if sys.version_info < (3, 10):
         fail(f"Python 3.10 or newer is needed, this is {sys.version.split()[0]}: install a newer Python "
              f"and run this command with it (e.g. python3.11 course.py ...)")
-    if STAMP.exists() and STAMP.read_text() == requirements_hash():
+    stamp = STAMP.read_text().split() if STAMP.exists() else []
+    if stamp[:1] == [requirements_hash()] and set(extras) <= set(stamp[1:]):
         return
+    extras = sorted(set(extras) | set(stamp[1:]))
     python = BIN / "python"
     if not python.exists():
         print(f"creating the environment in {VENV} ...", flush=True)
@@ -62,20 +78,27 @@ def ensure_env() -> None:
                  f"first: sudo apt install python3-venv")
     print("installing the course and its dependencies (torch, deepspeed, jupyterlab, ...): a few minutes "
           "the first time ...", flush=True)
-    cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", "-e", f"{ROOT}[test]"]
+    cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", "-e",
+           f"{ROOT}[{','.join(extras)}]"]
     if subprocess.call(cmd, cwd=ROOT) != 0:
         fail("pip install failed (see above). Check your network access to PyPI, then run the command again.")
-    STAMP.write_text(requirements_hash())
+    STAMP.write_text(" ".join([requirements_hash(), *extras]))
 
 
-def run_tests(extra: list[str]) -> int:
+def run_tests(extra: list[str], browser: str) -> int:
+    """Run the tests; ``browser`` is "only" (just the browser test), "lessons" (it runs the lessons) or "" (nbval)."""
     env = dict(os.environ, **TEST_ENV)
-    course = [str(BIN / "python"), "-m", "course_lib.cli"]
-    status = subprocess.call([*course, "build", "--check"], cwd=ROOT, env=env)
-    if status != 0:
-        print("exercises/ is out of date: run `python3 course.py build` and commit the result", file=sys.stderr)
-        return status
-    paths = [p for p in TEST_PATHS if (ROOT / p).exists()]
+    if browser:
+        env["COURSE_BROWSER"] = "required"
+    if browser == "only":
+        paths = [BROWSER_TEST]
+    else:
+        course = [str(BIN / "python"), "-m", "course_lib.cli"]
+        status = subprocess.call([*course, "build", "--check"], cwd=ROOT, env=env)
+        if status != 0:
+            print("exercises/ is out of date: run `python3 course.py build` and commit the result", file=sys.stderr)
+            return status
+        paths = [p for p in TEST_PATHS if (ROOT / p).exists() and not (browser and p == "notebooks")]
     cmd = [str(BIN / "python"), "-m", "pytest", *NBVAL_ARGS, *paths, *extra]
     print("running:", " ".join(cmd), flush=True)
     return subprocess.call(cmd, cwd=ROOT, env=env)
@@ -85,10 +108,17 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(__doc__)
         return 0
-    ensure_env()
     command, rest = argv[0], argv[1:]
+    browser = ""
     if command == "test":
-        return run_tests(rest)
+        browser = "only" if "--browser" in rest else "lessons" if CHROMIUM.is_file() else ""
+        rest = [a for a in rest if a != "--browser"]
+        if browser == "only" and not CHROMIUM.is_file():
+            fail(f"the browser test needs Chromium at {CHROMIUM}: sudo apt-get install chromium fonts-noto-cjk "
+                 f"(or set COURSE_CHROMIUM to a Chromium binary)")
+    ensure_env(["test", "browser"] if browser else ["test"])
+    if command == "test":
+        return run_tests(rest, browser)
     if command == "install":
         return 0
     return subprocess.call([str(BIN / "course"), command, *rest], cwd=ROOT)

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _lessons(folder: str = "notebooks") -> dict[str, Path]:
+def lessons(folder: str = "notebooks") -> dict[str, Path]:
     """{'00': Path('notebooks/00_getting_started.ipynb'), ...}"""
     return {p.name[:2]: p for p in sorted((ROOT / folder).glob("[0-9][0-9]_*.ipynb"))}
 
@@ -191,16 +191,16 @@ def run_notebook(path: Path, out_dir: Path, cell_timeout: float = 600) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    lessons = _lessons(args.folder)
-    keys = sorted(lessons) if args.lesson == "all" else [args.lesson.zfill(2)]
-    missing = [k for k in keys if k not in lessons]
+    found = lessons(args.folder)
+    keys = sorted(found) if args.lesson == "all" else [args.lesson.zfill(2)]
+    missing = [k for k in keys if k not in found]
     if missing:
-        print(f"no lesson {missing[0]} in {args.folder}/: choose one of {', '.join(sorted(lessons))} or 'all'",
+        print(f"no lesson {missing[0]} in {args.folder}/: choose one of {', '.join(sorted(found))} or 'all'",
               file=sys.stderr)
         return 2
     status = 0
     for k in keys:
-        status |= run_notebook(lessons[k], Path(args.out), cell_timeout=args.cell_timeout)
+        status |= run_notebook(found[k], Path(args.out), cell_timeout=args.cell_timeout)
     return status
 
 

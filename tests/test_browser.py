@@ -1,0 +1,88 @@
+"""Every lesson in a real JupyterLab 4, in headless Chromium: Run All, no error output, no dialog, every ipywidget
+rendered and reacting to a changed control (course_lib/browser.py says how each is judged).
+
+One JupyterLab server and one Chromium serve every lesson (a module fixture); each lesson's kernel is shut down
+before the next opens. The executed copies, a screenshot per lesson and the server's log stay in
+runs/browser/<date-time>/ (printed as each lesson ends).
+
+Where Chromium (/usr/bin/chromium, or COURSE_CHROMIUM) or playwright is missing, the lessons are skipped with the
+reason; under COURSE_BROWSER=required (set by `python3 course.py test` when it leaves the lessons to this file, and
+by `--browser`) that is a failure instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from course_lib import browser, cli
+
+LESSONS = cli.lessons("notebooks")  # every notebooks/NN_*.ipynb: lessons 08 and 09 join when they land
+
+
+@pytest.fixture(scope="module")
+def lab():
+    reason = browser.unavailable()
+    if reason:
+        if os.environ.get("COURSE_BROWSER") == "required":
+            pytest.fail(f"COURSE_BROWSER=required, but {reason}")
+        pytest.skip(reason)
+    run_dir = cli.ROOT / "runs" / "browser" / time.strftime("%Y%m%d-%H%M%S")
+    with browser.Lab(run_dir) as lab:
+        yield lab
+
+
+def test_unavailable_names_what_is_missing(monkeypatch, tmp_path):
+    monkeypatch.setenv("COURSE_CHROMIUM", str(tmp_path / "no-chromium"))
+    reason = browser.unavailable()
+    assert reason is not None and str(tmp_path / "no-chromium") in reason and "apt-get install chromium" in reason
+
+
+def _broken_notebook(path):
+    """A widget that does not react, a widget whose callback raises, an error, and a cell that cannot run after it."""
+    dropdown = "w.Dropdown(options=['a', 'b'], description='{}')"
+    nb = new_notebook(cells=[
+        new_markdown_cell("# A broken lesson"),
+        new_code_cell(f"import ipywidgets as w\nw.VBox([{dropdown.format('dead')}, w.Output()])"),
+        new_code_cell(f"d = {dropdown.format('boom')}\nout = w.Output()\n\n"
+                      "def update(*_):\n    with out:\n        out.clear_output(wait=True)\n"
+                      "        if d.value == 'b':\n            raise ValueError('the widget broke')\n"
+                      "        print(d.value)\n\n"
+                      "d.observe(update, names='value')\nupdate()\nw.VBox([d, out])"),
+        new_code_cell("1 / 0"),
+        new_code_cell("print('never reached')"),
+    ])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    return path
+
+
+def test_a_broken_lesson_fails_naming_its_cells(lab, tmp_path):
+    result = lab.run_lesson(_broken_notebook(tmp_path / "99_broken.ipynb"), timeout_s=120, widget_timeout_s=20)
+    assert not result.ok and result.ran == 3 and result.code_cells == 4
+    assert result.problems[0] == "cell 3 (`1 / 0`): ZeroDivisionError: division by zero", result.report()
+    assert result.screenshot.stat().st_size > 0
+    # Widgets are tried once a run is clean: the same widgets, without the error cell.
+    nb = nbformat.read(tmp_path / "99_broken.ipynb", as_version=4)
+    nb.cells = nb.cells[:3]
+    nbformat.write(nb, tmp_path / "98_broken_widgets.ipynb")
+    result = lab.run_lesson(tmp_path / "98_broken_widgets.ipynb", timeout_s=120, widget_timeout_s=20)
+    assert len(result.problems) == 2, result.report()
+    assert result.problems[0].startswith("cell 1 (`import ipywidgets as w`) widget 0: changing dead a -> b did not "
+                                         "change its output"), result.report()
+    assert result.problems[1].startswith("cell 2 (`d = w.Dropdown(options=['a', 'b'], description='boom')`) "
+                                         "widget 0: after boom a -> b its output shows an error"), result.report()
+    assert result.problems[1].endswith("ValueError: the widget broke"), result.report()
+
+
+@pytest.mark.parametrize("notebook", list(LESSONS.values()), ids=[p.stem for p in LESSONS.values()])
+def test_lesson_runs_in_jupyterlab(lab, notebook, capsys):
+    result = lab.run_lesson(notebook)
+    with capsys.disabled():
+        print(f"\n[browser] {result.lesson}: {'OK' if result.ok else 'FAILED'} in {result.seconds:.0f} s, "
+              f"{len(result.widgets)} widget(s) reacted; screenshot {result.screenshot}", flush=True)
+    assert result.ok, result.report()
