@@ -55,11 +55,13 @@ STATE_JS = """() => ({
     dialogs: [...document.querySelectorAll('.jp-Dialog')].map(e => e.innerText.trim()),
 })"""
 
-# Wait until every image under an element (the whole page for null) is decoded; the number that cannot be. Without
-# it a screenshot can catch a figure half painted.
+# Wait until every image under an element (the whole page for null) is decoded, then for two frames; the number of
+# images that cannot be decoded. (On a CPU busy with other work, headless Chromium still sometimes paints a figure
+# blank or in part for a while: a screenshot can show that although the image's data is right.)
 DECODE_IMAGES_JS = """async (root) => {
     const images = [...(root ?? document).querySelectorAll('img')];
     const ok = await Promise.all(images.map(i => i.decode().then(() => true, () => false)));
+    await new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)));
     return ok.filter(x => !x).length;
 }"""
 
