@@ -354,18 +354,29 @@ def test_hanging_torchrun_rank_times_out_and_is_killed(graded):
     assert st["00-partial-sum"] == "passed" and st["00-quiz"] == "passed"
 
 
-def test_writing_outside_is_possible_but_official_tests_are_unchanged(graded):
+def sandboxed(res: dict) -> bool:
+    return res["sandbox"].startswith("bubblewrap")  # else "off: <why>" (tests/test_sandbox.py covers the sandbox)
+
+
+def test_writing_outside_fails_in_the_sandbox_and_official_tests_are_unchanged(graded):
     res = graded["results"]["hostile:outside"]
-    assert res["points"] == res["max"], statuses(res)
-    assert graded["outside"].read_text() == "written by a submission"  # the documented limit: no sandbox
+    if sandboxed(res):  # the path is not there (and not even in the sandbox's environment)
+        assert points(res)["fx-mean"] == 0 and res["points"] == res["max"] - 1, statuses(res)
+        assert not graded["outside"].exists()
+    else:
+        assert res["points"] == res["max"], statuses(res)
+        assert graded["outside"].read_text() == "written by a submission"  # the documented limit: no sandbox
     assert graded["before"] == graded["after"]
 
 
 def test_tampering_with_official_tests_is_detected_and_does_not_change_grades(graded):
     res = graded["results"]["hostile:tamper"]
     assert res["points"] == res["max"], statuses(res)
-    assert any("official notebooks changed" in w for w in res["warnings"])
-    assert (graded["tamper_solutions"] / "fx_basics.ipynb").read_text() == "{}"
+    if sandboxed(res):  # the official notebooks are out of its sight
+        assert not res["warnings"] and (graded["tamper_solutions"] / "fx_basics.ipynb").read_text() != "{}"
+    else:
+        assert any("official notebooks changed" in w for w in res["warnings"])
+        assert (graded["tamper_solutions"] / "fx_basics.ipynb").read_text() == "{}"
 
 
 def test_no_process_is_left_behind(graded):

@@ -4,6 +4,7 @@
 - `course_lib.grading.notebook`: reading and writing notebooks, answer regions, test cells.
 - `course_lib.grading.build`: ``course build`` (solutions -> exercises).
 - `course_lib.grading.grade`: ``course grade`` (run a submission with the official tests restored).
+- `course_lib.grading.sandbox`: where ``course grade`` runs each submission (bubblewrap, memory and process caps).
 
 See docs/GRADING.md for the authoring format and the instructor guide.
 """

@@ -7,6 +7,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from course_lib.grading.sandbox import DEFAULT_MAX_PROCS, DEFAULT_MEMORY_MB
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -39,12 +41,23 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_grade(args: argparse.Namespace) -> int:
-    from course_lib.grading import grade
+    from course_lib.grading import grade, sandbox
 
+    why = "--no-sandbox" if args.no_sandbox else sandbox.unavailable()
+    if why:
+        print(f"course grade: WARNING: no sandbox ({why}): each submission runs as you, can read solutions/ "
+              f"and your files, use the network and all the memory"
+              + ("" if args.no_sandbox else "; pass --no-sandbox to accept this"), file=sys.stderr)
+    try:
+        limits = sandbox.Limits(args.memory_mb, args.max_procs)
+    except sandbox.SandboxError as exc:
+        print(f"course grade: {exc}", file=sys.stderr)
+        return 2
     try:
         results = grade.grade_many(args.paths, args.solutions or _default("solutions"),
                                    cell_timeout=args.cell_timeout, total_timeout=args.total_timeout,
-                                   output_limit=args.output_limit, keep=args.keep)
+                                   output_limit=args.output_limit, keep=args.keep,
+                                   sandboxed=False if args.no_sandbox else None, limits=limits)
     except Exception as exc:  # noqa: BLE001 - the grader itself failed
         traceback.print_exc()
         print(f"course grade: the grader failed: {exc}", file=sys.stderr)
@@ -81,6 +94,12 @@ def add_parsers(subparsers) -> None:
     g.add_argument("--total-timeout", type=float, default=900.0, help="seconds per submission (default 900)")
     g.add_argument("--output-limit", type=int, default=1_000_000, help="bytes of output kept per cell")
     g.add_argument("--keep", action="store_true", help="keep each submission's temp folder (for debugging)")
+    g.add_argument("--no-sandbox", action="store_true",
+                   help="run submissions without the sandbox (bubblewrap), e.g. where it is not installed")
+    g.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_MB,
+                   help=f"memory cap per submission, all its processes together (default {DEFAULT_MEMORY_MB})")
+    g.add_argument("--max-procs", type=int, default=DEFAULT_MAX_PROCS,
+                   help=f"processes + threads cap per submission (default {DEFAULT_MAX_PROCS})")
     g.set_defaults(func=cmd_grade)
 
 

@@ -8,11 +8,13 @@ One submission:
    nothing), keep all other cells, and put the official test cells of each exercise where the
    submission's first test cell of that exercise was (deleted: just before the next exercise's tests);
 4. execute it in a new temp folder (the cwd) with `course_lib.grading.runner`, in a subprocess tagged
-   with a unique ``COURSE_PROC_TAG``; afterwards kill every process carrying the tag;
+   with a unique ``COURSE_PROC_TAG``, inside the sandbox where it runs (`course_lib.grading.sandbox`: no view
+   of the checkout, $HOME or other submissions, no network, a memory and a process cap); afterwards kill
+   every process carrying the tag;
 5. score: an exercise earns its points (sum of its test cells' points) only if all its test cells pass.
 
 Statuses: ``passed``, ``failed: <first failing check>``, ``not implemented``, ``timeout``,
-``error: <one line>``, ``kernel died``.
+``error: <one line>``, ``kernel died``, ``memory limit (N MB) reached``, ``process limit (N ...) reached``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from course_lib import procs
 from course_lib.grading import notebook as nbio
+from course_lib.grading import sandbox
 
 DEFAULT_CELL_TIMEOUT = 120.0
 DEFAULT_TOTAL_TIMEOUT = 900.0
@@ -141,25 +144,46 @@ def score(nb, record: dict) -> list[dict]:
         span.setdefault(ex, []).extend(since_last_test)
         since_last_test = []
     for ex, row in rows.items():
-        row["status"] = _status(row.pop("tests"), span.get(ex, []))
+        row["status"] = _status(row.pop("tests"), span.get(ex, []), record)
         row["points"] = row["max"] if row["status"] == "passed" else 0.0
     return list(rows.values())
 
 
-def _status(tests: list[dict], student_cells: list[dict]) -> str:
+def _limit_hit(cell: dict, caps: dict | None) -> str | None:
+    """The sandbox's cap a cell ran into: counted by its cgroup, or (rlimits) told by the failed allocation."""
+    if not caps:
+        return None
+    cap = cell.get("limit")
+    if caps["via"] == "rlimit" and (cell["ename"] == "MemoryError" or "can't allocate memory" in cell["evalue"]):
+        cap = "memory"
+    if cap == "memory":
+        return f"memory limit ({caps['memory_mb']} MB) reached"
+    if cap == "processes":
+        return f"process limit ({caps['max_procs']} processes and threads) reached"
+    return None
+
+
+def _status(tests: list[dict], student_cells: list[dict], record: dict) -> str:
+    caps = record.get("caps")
     for cell in student_cells:  # the student's own cells for this exercise
+        if hit := _limit_hit(cell, caps):
+            return hit
         if cell["status"] == "timeout":
             return "timeout: your code cell ran longer than the per-cell limit"
         if cell["status"] == "died":
             return "kernel died (in your code cell: sys.exit/os._exit/crash?)"
     for t in tests:
         st = t["status"]
+        if hit := _limit_hit(t, caps):
+            return hit
         if st == "ok":
             continue
         if st == "timeout":
             return "timeout: a test cell ran longer than the per-cell limit"
         if st == "died":
             return "kernel died (exit, os._exit, crash or out of memory while testing)"
+        if st == "not-run" and not record.get("done"):
+            return "error: the grading runner was stopped before this test ran (killed by the submission?)"
         if st == "not-run":
             return "timeout: total time limit reached before this test ran"
         ename, evalue = t.get("ename", ""), t.get("evalue", "")
@@ -186,11 +210,24 @@ def _status(tests: list[dict], student_cells: list[dict]) -> str:
 
 # ----------------------------------------------------------------------------------------- running
 
-def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, output_limit: int) -> dict:
+def _sandboxing(sandboxed: bool | None, limits: sandbox.Limits | None) -> tuple[dict | None, str]:
+    """(the caps the runner is given, None when not sandboxed; the line for the results)."""
+    why = "turned off (--no-sandbox)" if sandboxed is False else sandbox.unavailable()
+    if why and sandboxed:
+        raise GraderError(f"the sandbox was asked for but cannot run here: {why}")
+    if why:
+        return None, f"off: {why}"
+    limits = limits or sandbox.Limits()
+    via = sandbox.caps_via()
+    caps = {"memory_mb": limits.memory_mb, "max_procs": limits.max_procs, "via": via}
+    return caps, f"bubblewrap, {sandbox.describe(limits, via)}"
+
+
+def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, output_limit: int,
+         caps: dict | None = None, hidden: tuple[Path, ...] = ()) -> dict:
+    """Run the runner on ``assembled`` in ``workdir``: in the sandbox with ``caps`` (see `_sandboxing`), where
+    the folders ``hidden`` must not be visible, or plainly when ``caps`` is None."""
     nbio.write(assembled, workdir / "graded.ipynb")
-    plan = {"notebook": str(workdir / "graded.ipynb"), "workdir": str(workdir), "result": str(workdir / "record.json"),
-            "cell_timeout": cell_timeout, "total_timeout": total_timeout, "output_limit": output_limit}
-    (workdir / "plan.json").write_text(json.dumps(plan))
     tag = procs.new_tag("grade")
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
@@ -199,22 +236,46 @@ def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, ou
     env.update({procs.TAG_VAR: tag, "MPLBACKEND": "Agg", "COURSE_RUNS_DIR": str(workdir / "runs"), "COURSE_POOL": "0",
                 "PYTHONPATH": os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p),
                 "PYDEVD_DISABLE_FILE_VALIDATION": "1", "JUPYTER_PLATFORM_DIRS": "1"})
+    cmd = [sys.executable, "-m", "course_lib.grading.runner", str(workdir / "plan.json")]
+    cgroup = None
+    if caps is not None:
+        try:
+            cmd = sandbox.command(cmd, workdir, hidden=list(hidden))
+            if caps["via"] != "rlimit":
+                cgroup = sandbox.Cgroup(workdir.name, sandbox.Limits(caps["memory_mb"], caps["max_procs"]), caps["via"])
+                cmd = cgroup.enter + cmd
+        except (sandbox.SandboxError, OSError) as exc:
+            raise GraderError(f"cannot set up the sandbox: {exc}") from None
+        env = sandbox.environment(env)
     log = workdir / "runner.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "course_lib.grading.runner", str(workdir / "plan.json")],
-                                cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    hard_limit = total_timeout + cell_timeout + 60  # the runner enforces total_timeout itself
+    # The runner writes its record through an inherited descriptor of a file no path leads to: a file in the
+    # (writable) temp folder could be forged by the submission.
     try:
-        proc.wait(timeout=hard_limit)
-    except subprocess.TimeoutExpired:
-        pass
+        with tempfile.TemporaryFile() as record_file, open(log, "wb") as out:
+            plan = {"notebook": str(workdir / "graded.ipynb"), "workdir": str(workdir),
+                    "record_fd": record_file.fileno(), "cell_timeout": cell_timeout, "total_timeout": total_timeout,
+                    "output_limit": output_limit, "caps": caps}
+            (workdir / "plan.json").write_text(json.dumps(plan))
+            proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(record_file.fileno(),))
+            hard_limit = total_timeout + cell_timeout + 60  # the runner enforces total_timeout itself
+            try:
+                proc.wait(timeout=hard_limit)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                procs.kill_tree(proc.pid, tag=tag, grace_s=0.5)
+                proc.wait()
+            record_file.seek(0)
+            text = record_file.read().decode(errors="replace")
     finally:
-        procs.kill_tree(proc.pid, tag=tag, grace_s=0.5)
-        proc.wait()
+        if cgroup is not None:
+            cgroup.close()
     left = procs.alive(tag)
-    record_path = workdir / "record.json"
-    record = json.loads(record_path.read_text()) if record_path.exists() else None
+    try:  # the last record written, maybe followed by the tail of a longer one before it (see runner.save)
+        record = json.JSONDecoder().raw_decode(text)[0]
+    except ValueError:
+        record = None
     if record is None:
         tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
         raise GraderError(f"the grading runner produced no record (exit code {proc.returncode}):\n{tail}")
@@ -225,17 +286,21 @@ def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, ou
 
 def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solutions", *,
                      cell_timeout: float = DEFAULT_CELL_TIMEOUT, total_timeout: float = DEFAULT_TOTAL_TIMEOUT,
-                     output_limit: int = DEFAULT_OUTPUT_LIMIT, keep: bool = False) -> dict:
-    """Grade one notebook. Returns {submission, lesson, status, points, max, exercises: [...], ...}.
+                     output_limit: int = DEFAULT_OUTPUT_LIMIT, keep: bool = False, sandboxed: bool | None = None,
+                     limits: sandbox.Limits | None = None) -> dict:
+    """Grade one notebook. Returns {submission, lesson, status, points, max, exercises: [...], sandbox, ...}.
 
-    ``status`` is ``graded`` or ``unreadable`` (with ``error``). Raises `GraderError` when the grader
-    itself fails.
+    ``status`` is ``graded`` or ``unreadable`` (with ``error``). ``sandboxed``: None runs the submission in
+    the sandbox where it can run (``sandbox`` in the result says ``off: <why>`` where not), True requires it,
+    False turns it off. ``limits``: its caps (default `sandbox.Limits()`). Raises `GraderError` when the
+    grader itself fails.
     """
     path = Path(path)
     if not isinstance(solutions, Solutions):
         solutions = Solutions(solutions)
+    caps, sandbox_line = _sandboxing(sandboxed, limits)
     result = {"submission": str(path), "lesson": None, "status": "graded", "points": 0.0, "max": 0.0,
-              "exercises": [], "warnings": []}
+              "exercises": [], "warnings": [], "sandbox": sandbox_line}
     try:
         sub = nbio.read(path)
     except nbio.NotebookError as exc:
@@ -250,7 +315,8 @@ def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solu
     t0 = time.perf_counter()
     try:
         shutil.copyfile(path, workdir / "submission.ipynb")
-        record = _run(assembled, workdir, cell_timeout, total_timeout, output_limit)
+        hidden = (solutions.folder, path.parent, Path.home())
+        record = _run(assembled, workdir, cell_timeout, total_timeout, output_limit, caps, hidden)
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -264,7 +330,8 @@ def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solu
     result.update(lesson=lesson, exercises=rows, points=sum(r["points"] for r in rows),
                   max=sum(r["max"] for r in rows), seconds=round(time.perf_counter() - t0, 2),
                   run_seconds=record.get("seconds"), kernel_start_s=record.get("kernel_start_s"),
-                  restarts=record.get("restarts", 0), runner_max_rss_mb=record.get("max_rss_mb"), workdir=str(workdir) if keep else None)
+                  restarts=record.get("restarts", 0), runner_max_rss_mb=record.get("max_rss_mb"),
+                  memory_peak_mb=record.get("memory_peak_mb"), workdir=str(workdir) if keep else None)
     if record.get("replay_error"):
         result["warnings"].append(f"after a kernel restart the set-up could not be replayed: {record['replay_error']}")
     return result
@@ -328,7 +395,7 @@ def write_json(results: list[dict], path: str | Path) -> None:
 
 
 def write_csv(results: list[dict], path: str | Path) -> None:
-    """One row per submission (student): total, max, status and each exercise's points."""
+    """One row per submission (student): total, max, status, each exercise's points and the sandbox."""
     exercises = []
     for res in results:
         for r in res["exercises"]:
@@ -336,8 +403,9 @@ def write_csv(results: list[dict], path: str | Path) -> None:
                 exercises.append(r["exercise"])
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["student", "submission", "lesson", "points", "max", "status", *exercises])
+        w.writerow(["student", "submission", "lesson", "points", "max", "status", *exercises, "sandbox"])
         for res in results:
             pts = {r["exercise"]: r["points"] for r in res["exercises"]}
             w.writerow([res.get("student", Path(res["submission"]).stem), res["submission"], res["lesson"] or "",
-                        res["points"], res["max"], res["status"], *(pts.get(e, "") for e in exercises)])
+                        res["points"], res["max"], res["status"], *(pts.get(e, "") for e in exercises),
+                        res.get("sandbox", "")])

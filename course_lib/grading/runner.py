@@ -3,17 +3,21 @@
 Run by `course_lib.grading.grade` in its own subprocess (``python -m course_lib.grading.runner PLAN``)
 whose environment carries a unique ``COURSE_PROC_TAG``, so that the grader can kill everything the
 submission started afterwards. This module only executes and records; scoring is in ``grade.py``.
+The record goes to a file descriptor the grader passes (``record_fd``), which the kernel can neither inherit
+nor reach through /proc: the submission can kill the runner, not forge its record.
 
 Per code cell it records ``status``: ``ok`` | ``error`` (with ``ename``/``evalue``) | ``timeout`` |
-``died`` | ``not-run`` (the total time limit was reached). When a cell times out or kills the kernel,
-the kernel and all its descendants are killed, a new kernel is started, the earlier non-test cells that
-ran fine are replayed (test cells are not), and execution goes on after the failed cell.
+``died`` | ``not-run`` (the total time limit was reached), and ``limit`` (``memory`` | ``processes``) when
+the sandbox's cgroup hit that cap during the cell (`course_lib.grading.sandbox`). When a cell times out, kills
+the kernel or hits a cap, the kernel and all its descendants are killed, a new kernel is started, the earlier
+non-test cells that ran fine are replayed (test cells are not), and execution goes on after the failed cell.
 Captured output is capped per cell (``output_limit`` bytes), so a 50 MB print cannot fill the memory.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -24,6 +28,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
 from course_lib import procs
+from course_lib.grading import sandbox
 
 TRUNCATED = "\n[output truncated by the grader]\n"
 
@@ -101,9 +106,15 @@ del _course_cap_output
 
 
 def _start(client: NotebookClient) -> None:
+    """A new kernel, tagged so that `_stop` also finds what it double-forks; the first the OOM killer takes."""
     client.km = client.create_kernel_manager()
-    client.start_new_kernel()
+    client.kernel_tag = procs.new_tag("kernel")
+    client.start_new_kernel(env={**os.environ, procs.TAG_VAR: procs.nested_tag(client.kernel_tag)})
     client.start_new_kernel_client()
+    try:
+        Path(f"/proc/{_kernel_pid(client)}/oom_score_adj").write_text("1000")
+    except OSError:  # not Linux
+        pass
     from jupyter_core.utils import run_sync
 
     run_sync(client.kc.execute_interactive)(_KERNEL_OUTPUT_CAP % client.output_limit, silent=True,
@@ -111,9 +122,7 @@ def _start(client: NotebookClient) -> None:
 
 
 def _stop(client: NotebookClient) -> None:
-    pid = _kernel_pid(client)
-    if pid is not None:
-        procs.kill_tree(pid, grace_s=0.0)
+    procs.kill_tree(_kernel_pid(client), tag=getattr(client, "kernel_tag", None), grace_s=0.0)
     try:
         client._cleanup_kernel()
     except Exception:  # noqa: BLE001 - the kernel is gone either way
@@ -136,6 +145,17 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+def _keep_to_itself() -> None:
+    """Make this process non-dumpable, so that the kernel (the same user) can neither open its
+    ``/proc/<pid>/fd`` (the record) nor ptrace it. Linux only."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        pass
+
+
 def _error_of(cell) -> tuple[str, str] | None:
     for out in cell.get("outputs", []):
         if out.get("output_type") == "error":
@@ -152,17 +172,26 @@ def execute(plan: dict) -> dict:
                           resources={"metadata": {"path": workdir}}, startup_timeout=120,
                           record_timing=False, interrupt_on_timeout=False, iopub_timeout=10)
     client.output_limit = int(plan["output_limit"])
-    record: dict = {"cells": [], "restarts": 0, "started": time.time()}
-    result_path = Path(plan["result"])
+    caps = plan.get("caps")  # {memory_mb, max_procs, via} in the sandbox, else None
+    record: dict = {"cells": [], "restarts": 0, "started": time.time(), "caps": caps}
+    record_fd = int(plan["record_fd"])
+    os.set_inheritable(record_fd, False)  # the kernel must not get it
+    _keep_to_itself()
+    if caps and caps["via"] == "rlimit":
+        sandbox.apply_rlimits(sandbox.Limits(caps["memory_mb"], caps["max_procs"]))
+    events = sandbox.limit_events if caps and caps["via"] != "rlimit" else dict
 
     def save() -> None:
-        tmp = result_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        tmp.replace(result_path)
+        # Write, then cut: killed in between, the file still starts with a whole record (the grader reads
+        # the first JSON value).
+        data = json.dumps(record).encode()
+        os.pwrite(record_fd, data, 0)
+        os.ftruncate(record_fd, len(data))
 
     t_start = time.monotonic()
     _start(client)
     record["kernel_start_s"] = time.monotonic() - t_start
+    save()  # from here on a record exists: a runner killed later is the submission's doing, not the grader's
     ran_ok: list[int] = []  # non-test cells that ran without error: replayed after a restart
     alive = True
     queue = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
@@ -180,6 +209,7 @@ def execute(plan: dict) -> dict:
         client.timeout = max(1, int(min(cell_timeout, left)))
         t0 = time.monotonic()
         failure = None
+        before = events()
         try:
             client.execute_cell(cell, i)
             err = _error_of(cell)
@@ -187,8 +217,6 @@ def execute(plan: dict) -> dict:
                 entry.update(status="error", ename=err[0], evalue=err[1][:2000])
             else:
                 entry["status"] = "ok"
-                if not is_test:
-                    ran_ok.append(i)
         except CellTimeoutError:
             failure = "timeout" if client.timeout >= cell_timeout else "not-run"
         except DeadKernelError:
@@ -198,9 +226,15 @@ def execute(plan: dict) -> dict:
             failure = "died" if dead else "error"
             entry.update(ename=type(exc).__name__, evalue=" ".join(str(exc).split())[:500])
         entry["seconds"] = round(time.monotonic() - t0, 3)
-        if failure:
-            entry["status"] = failure
-            if failure == "died" and not is_test and i not in retried:
+        after = events()
+        hit = [cap for cap in after if after[cap] > before.get(cap, 0)]
+        if hit:
+            entry["limit"] = hit[0]
+        elif entry["status"] == "ok" and not is_test:
+            ran_ok.append(i)
+        if failure or hit:
+            entry["status"] = failure or entry["status"]
+            if failure == "died" and not hit and not is_test and i not in retried:
                 # A kernel can die just after the cell that killed it (ipykernel's exit() stops it once
                 # the reply is sent): run a dying student cell once more before blaming it.
                 retried.add(i)
@@ -228,6 +262,7 @@ def execute(plan: dict) -> dict:
         _stop(client)
     record["seconds"] = round(time.monotonic() - t_start, 3)
     record["max_rss_mb"] = peak_rss_mb()
+    record["memory_peak_mb"] = sandbox.memory_peak_mb() if caps and caps["via"] != "rlimit" else None
     record["done"] = True
     save()
     return record
