@@ -2,7 +2,7 @@
 """Set up and run the course with nothing but Python 3.10+ installed.
 
     python3 course.py lab     create .venv the first time, install, open JupyterLab on the course index
-    python3 course.py test    create .venv the first time, install, run every test (pytest + nbval, or the
+    python3 course.py test    create .venv the first time, install, run every test (pytest + nbval, and the
                               browser test where Chromium is installed: see below)
     python3 course.py test --browser   only the browser test: every lesson in JupyterLab in headless Chromium
     python3 course.py ARGS    anything else goes to the `course` command inside .venv (doctor, run, build, grade)
@@ -36,10 +36,10 @@ NBVAL_ARGS = ["--nbval-lax", "--nbval-cell-timeout=600", "--nbval-kernel-name=py
 TEST_PATHS = ["tests", "notebooks"]
 #  3. tests/test_browser.py runs every lesson in JupyterLab 4 in headless Chromium (Run All; no error, no dialog, every
 #     widget reacts). Where Debian's chromium is installed (CI installs it in .ci/run), the test command installs the
-#     `browser` extra (playwright) and leaves the lessons to that test instead of nbval: it runs each lesson top to
-#     bottom, failing on any error as nbval does (the lessons compare no outputs), and checks what a learner sees
-#     besides. COURSE_BROWSER=required makes it fail, not skip, if it cannot run. Without Chromium, nbval runs the
-#     lessons and the browser test skips, saying why.
+#     `browser` extra (playwright) and runs it beside nbval: the course's design asks for both (nbval in a plain
+#     kernel, the browser test in the JupyterLab a learner uses), at about 7 more minutes on a 2-core CPU.
+#     COURSE_BROWSER=required makes it fail, not skip, if it cannot run. Without Chromium, the browser test skips,
+#     saying why.
 BROWSER_TEST = "tests/test_browser.py"
 CHROMIUM = Path(os.environ.get("COURSE_CHROMIUM", "/usr/bin/chromium"))  # as course_lib.browser.chromium()
 # COURSE_NCCL_RULES=1: every rank started by the tests, lessons and solutions checks NCCL's rules on gloo
@@ -86,7 +86,7 @@ def ensure_env(extras: list[str]) -> None:
 
 
 def run_tests(extra: list[str], browser: str) -> int:
-    """Run the tests; ``browser`` is "only" (just the browser test), "lessons" (it runs the lessons) or "" (nbval)."""
+    """Run the tests; ``browser`` is "only" (just the browser test), "lessons" (it runs too) or "" (it skips)."""
     env = dict(os.environ, **TEST_ENV)
     if browser:
         env["COURSE_BROWSER"] = "required"
@@ -98,7 +98,7 @@ def run_tests(extra: list[str], browser: str) -> int:
         if status != 0:
             print("exercises/ is out of date: run `python3 course.py build` and commit the result", file=sys.stderr)
             return status
-        paths = [p for p in TEST_PATHS if (ROOT / p).exists() and not (browser and p == "notebooks")]
+        paths = [p for p in TEST_PATHS if (ROOT / p).exists()]
     cmd = [str(BIN / "python"), "-m", "pytest", *NBVAL_ARGS, *paths, *extra]
     print("running:", " ".join(cmd), flush=True)
     return subprocess.call(cmd, cwd=ROOT, env=env)
