@@ -80,6 +80,10 @@ def doctor(nprocs: int = 2, timeout_s: float = 120) -> int:
          "gloo on the CPU (no GPU)")
     if not dist.is_gloo_available():
         problems.append("torch was built without gloo: install the official torch wheel from PyPI")
+    from course_lib.grading.sandbox import doctor_line
+
+    _, sandbox = doctor_line()            # only `course grade` needs it: not a problem for a learner
+    line("grading sandbox", sandbox.removeprefix("grading sandbox: "))
     n = min(nprocs, len(gpus)) if cuda and len(gpus) >= 2 else nprocs
     print(f"\n  running a {n}-rank job with torchrun ...", flush=True)
     from course_lib.launch import DistributedRunError, LaunchError, run

@@ -17,6 +17,7 @@ def test_doctor_passes_and_names_where_time_went(capsys):
     assert "OK: this machine can run the course." in out
     assert "2 ranks, backend gloo" in out or "backend nccl" in out
     assert "imports (torch)" in out
+    assert "grading sandbox" in out and ("bubblewrap" in out)       # available, or how to install it
 
 
 def _notebook(path, *sources):
