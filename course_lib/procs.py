@@ -44,15 +44,18 @@ def nested_tag(tag: str) -> str:
     return f"{outer}:{tag}" if outer else tag
 
 
-def tagged_processes(tag: str) -> list[psutil.Process]:
-    """Every live process (other than this one) whose ``COURSE_PROC_TAG`` contains ``tag``."""
+def tagged_processes(tag: str, prefix: bool = False) -> list[psutil.Process]:
+    """Every live process (other than this one) whose ``COURSE_PROC_TAG`` contains ``tag`` (with ``prefix``: a tag
+    that starts with it, e.g. every ``new_tag("grade")`` of one process)."""
     found = []
     me = os.getpid()
     for proc in psutil.process_iter(["pid"]):
         if proc.pid == me:
             continue
         try:
-            if tag in proc.environ().get(TAG_VAR, "").split(":") and proc.status() != psutil.STATUS_ZOMBIE:
+            parts = proc.environ().get(TAG_VAR, "").split(":")
+            hit = any(p.startswith(tag) for p in parts) if prefix else tag in parts
+            if hit and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue

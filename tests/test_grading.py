@@ -42,14 +42,7 @@ LESSONS = sorted(p.stem for p in SOLUTIONS.glob("*.ipynb")
 
 def leftovers() -> list[psutil.Process]:
     """Processes started by a grading in this test process that are still alive."""
-    found = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.environ().get(procs.TAG_VAR, "").startswith(TAG_PREFIX) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.Error, OSError):
-            continue
-    return found
+    return procs.tagged_processes(TAG_PREFIX, prefix=True)
 
 
 # -------------------------------------------------------------------------------------- the runs

@@ -81,7 +81,8 @@ def test_no_notebook_spells_a_quiz_answer():
     for path in sorted((ROOT / "notebooks").glob("0*.ipynb")):
         lesson = path.name[:2]
         cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
-        quiz_cells = ["".join(c["source"]) for c in cells if "from course_lib.lessons.quizzes import quiz" in "".join(c["source"])]
+        sources = ["".join(c["source"]) for c in cells]
+        quiz_cells = [s for s in sources if "from course_lib.lessons.quizzes import quiz" in s]
         assert len(quiz_cells) >= 1, path.name
         text = "\n".join(quiz_cells)
         numbers = [float(t.string) for t in tokenize.generate_tokens(io.StringIO(text).readline)
@@ -106,7 +107,8 @@ def test_predictions_start_empty():
                 continue
             for node in ast.walk(ast.parse("\n".join(l for l in "".join(cell["source"]).splitlines()
                                                      if not l.lstrip().startswith(("%", "!"))))):
-                if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+                if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                        and isinstance(node.targets[0], ast.Name)):
                     continue
                 name = node.targets[0].id
                 if not re.match(r"(my_\w+|prediction\w*|predicted)$", name):

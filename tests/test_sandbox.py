@@ -88,7 +88,8 @@ def attacks(paths: dict[str, str], port: int, host_ip: str) -> dict[str, str]:
         "patch_course_lib": ("import course_lib.launch\ncourse_lib.launch.run = None  # in memory: this kernel only\n"
                              f"with open({str(PATCHED)!r}, 'a') as f:\n"
                              "    f.write('\\nnew_tag = lambda prefix=\"run\": \"patched\"\\n')"),
-        "plant_pth": f"from pathlib import Path\nPath({str(PLANTED)!r}).write_text('import builtins; builtins.planted = 1')",
+        "plant_pth": (f"from pathlib import Path\n"
+                      f"Path({str(PLANTED)!r}).write_text('import builtins; builtins.planted = 1')"),
         "leave_process": ("import subprocess, sys\n"  # no COURSE_PROC_TAG: only the pid namespace catches it
                           f"subprocess.Popen([sys.executable, '-c', 'while True: pass', {MARKER!r}], env={{}}, "
                           "start_new_session=True)\nraise RuntimeError('left a process running')"),
@@ -105,14 +106,8 @@ def marked_processes() -> list[psutil.Process]:
 
 
 def tagged_leftovers() -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.environ().get(procs.TAG_VAR, "").startswith(TAG_PREFIX) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.Error, OSError):
-            continue
-    return found
+    """Processes started by a grading in this test process that are still alive."""
+    return procs.tagged_processes(TAG_PREFIX, prefix=True)
 
 
 def host_address() -> str:

@@ -100,7 +100,8 @@ def leaked_answers(solution: dict, exercise: dict, lesson: str) -> list[str]:
     leaks = []
     sol_cells, ex_cells = _exercise_cells(solution), _exercise_cells(exercise)
     for ex, idx in sol_cells.items():
-        if not any("check_answer(" in nbio.source(solution["cells"][i]) for i in idx if nbio.is_test(solution["cells"][i])):
+        tests = [nbio.source(solution["cells"][i]) for i in idx if nbio.is_test(solution["cells"][i])]
+        if not any("check_answer(" in src for src in tests):
             continue
         answers = [v for i in idx for v in _answer_values(nbio.source(solution["cells"][i]))]
         shown = [nbio.source(exercise["cells"][i]) for i in ex_cells.get(ex, [])]

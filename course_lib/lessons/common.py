@@ -35,7 +35,8 @@ from course_lib.parallel.zero import ZeroOptimizer
 
 __all__ = ["COLORS", "small_config", "on_gpus", "by_device", "shard_batch", "params_of", "grads_of", "train_reference",
            "global_mean", "relative_error", "max_relative_error", "max_abs_error", "Variant", "VARIANTS",
-           "import_deepspeed", "deepspeed_accepts_fp16", "deepspeed_config", "train_variant", "show", "source_lines", "after_prediction"]
+           "import_deepspeed", "deepspeed_accepts_fp16", "deepspeed_config", "train_variant", "show", "source_lines",
+           "after_prediction"]
 
 # One colour per part of memory and of a step's time, in every lesson's figures.
 COLORS = dict(params="#4C72B0", grads="#DD8452", optimizer="#55A868", master="#8172B3", activations="#C44E52",
@@ -73,7 +74,8 @@ def _docstring_span(src: str) -> tuple[int, int] | None:
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or not node.body:
         return None
     first = node.body[0]
-    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)):
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)):
         return None
     offsets = [0]
     for line in src.splitlines(keepends=True):

@@ -49,7 +49,7 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
     },
     "06": {
         "q1": ("f7500c2b21e5659a1a796308", 1e-06, "section 1: the largest exponent and mantissa of fp16"),
-        "q2": ("67a50bd92e795b7aca1452ef", 1e-06, "section 4: one back-off per overflow, one growth after growth_interval clean steps"),
+        "q2": ("67a50bd92e795b7aca1452ef", 1e-06, "section 4: one back-off per overflow, a growth after the interval"),
         "q3": ("07ea1b52a00306972430eb6a", None, "section 4: weights, gradients, master weights and two moments"),
     },
     "07": {

@@ -19,8 +19,8 @@ of ``scaled_dot_product_attention`` (FlashAttention, Dao et al. 2022; memory-eff
 Staats 2021) keep only the output and one log-sum-exp per query row, (B, H, T): O(T) instead of O(T^2).
 
 Budget fitting (:func:`fit_budget`): model state (fp32 Adam: 16 bytes per parameter, or 4 with ZeRO-Offload,
-which moves the gradients and the optimizer state to the CPU) plus the activation peak of one micro-batch must fit in the device's budget;
-gradient accumulation keeps the global batch while shrinking the micro-batch.
+which moves the gradients and the optimizer state to the CPU) plus the activation peak of one micro-batch must fit
+in the device's budget; gradient accumulation keeps the global batch while shrinking the micro-batch.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from course_lib.theory.memory import (activation_bytes, dtype_bytes, num_param_t
                                       training_memory_bytes)
 
 __all__ = ["attention_saved_bytes", "model_activation_bytes", "checkpointed_activation_bytes",
-           "selective_layer_bytes", "korthikanti_layer_bytes", "best_checkpoint_every", "recompute_flops", "recompute_flops_ratio", "plan_bytes",
+           "selective_layer_bytes", "korthikanti_layer_bytes", "best_checkpoint_every", "recompute_flops",
+           "recompute_flops_ratio", "plan_bytes",
            "planner_bytes", "fit_budget"]
 
 

@@ -13,7 +13,8 @@ from course_lib.measure import fmt_bytes
 from course_lib.theory.memory import usable_offload
 from course_lib.theory.savers import best_checkpoint_every, checkpointed_activation_bytes, planner_bytes
 
-__all__ = ["checkpoint_table", "selective_table", "checkpoint_figure", "attention_table", "attention_figure", "accumulation_table",
+__all__ = ["checkpoint_table", "selective_table", "checkpoint_figure", "attention_table", "attention_figure",
+           "accumulation_table",
            "savers_planner"]
 
 
