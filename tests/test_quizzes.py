@@ -17,7 +17,7 @@ import torch
 from course_lib import theory
 from course_lib.config import get_preset
 from course_lib.grading.check import CheckFailed, answer_digest, check_answer
-from course_lib.lessons.quizzes import QUIZZES, quiz
+from course_lib.lessons.quizzes import QUIZZES, quiz, score
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,13 +50,13 @@ def test_digests_are_those_of_the_formulas():
 
 def test_quiz_accepts_right_answers_and_refuses_wrong_ones(capsys):
     for lesson, answers in EXPECTED.items():
-        assert quiz(lesson, dict(answers)) == len(answers)
-    out = capsys.readouterr().out
-    assert "not yet" not in out
+        assert set(score(lesson, dict(answers)).values()) == {"right"}, lesson
     wrong = {"q1": EXPECTED["03"]["q1"] * 1.05, "q2": EXPECTED["03"]["q2"] + 1, "q3": "interleave"}
-    assert quiz("03", wrong) == 0
-    assert quiz("03", {"q1": None}) == 0 and "not answered yet" in capsys.readouterr().out
-    assert quiz("01", {"q4": "memory"}, run={"q4": "memory"}) == 1
+    assert all(v.startswith("not yet (section") for v in score("03", wrong).values())
+    assert score("03", {"q1": None}) == {"q1": "not answered yet"}
+    assert score("01", {"q4": "memory"}, run={"q4": "memory"}) == {"q4": "right"}
+    quiz("03", {"q1": EXPECTED["03"]["q1"], "q2": None})
+    assert capsys.readouterr().out == "q1: right\nq2: not answered yet\n1 of 2 right\n"
 
 
 def test_check_answer_tolerance_and_kinds():

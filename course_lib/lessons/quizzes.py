@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from course_lib.grading.check import CheckFailed, check_answer
 
-__all__ = ["QUIZZES", "quiz"]
+__all__ = ["QUIZZES", "quiz", "score"]
 
 # lesson -> question -> (digest, rtol or None for an exact answer, where to look when it is not right)
 QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
@@ -60,30 +60,34 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
 }
 
 
-def quiz(lesson: str, answers: dict, run: dict | None = None) -> int:
-    """Print, per question, whether the answer is right, not yet (and where to look), or not answered yet.
+def score(lesson: str, answers: dict, run: dict | None = None) -> dict[str, str]:
+    """{question: "right" | "not yet (where to look)" | "not answered yet"} for ``answers``.
 
-    ``run``: questions whose answer depends on this run's measurement, ``{q: expected}`` (compared, not hashed).
-    Returns the number of right answers; never raises, so a lesson runs top to bottom with empty answers."""
+    ``run``: questions whose answer depends on this run's measurement, ``{q: expected}`` (compared, not hashed)."""
     if lesson not in QUIZZES:
         raise KeyError(f"no quiz for lesson {lesson!r}: lessons {', '.join(QUIZZES)}")
-    right = 0
+    out = {}
     for q, answer in answers.items():
         if answer is None:
-            print(f"{q}: not answered yet")
-            continue
-        if run and q in run:
-            ok = answer == run[q]
-            print(f"{q}: {'right' if ok else 'not yet (compare with your own measurement above)'}")
-            right += ok
-            continue
-        if q not in QUIZZES[lesson]:
+            out[q] = "not answered yet"
+        elif run and q in run:
+            out[q] = "right" if answer == run[q] else "not yet (compare with your own measurement above)"
+        elif q not in QUIZZES[lesson]:
             raise KeyError(f"lesson {lesson} has no quiz question {q!r}: {', '.join(QUIZZES[lesson])}")
-        digest, rtol, where = QUIZZES[lesson][q]
-        try:
-            check_answer(f"lesson {lesson} quiz {q}", answer, digest, rtol=rtol)
-            print(f"{q}: right")
-            right += 1
-        except CheckFailed:
-            print(f"{q}: not yet ({where})")
-    return right
+        else:
+            digest, rtol, where = QUIZZES[lesson][q]
+            try:
+                check_answer(f"lesson {lesson} quiz {q}", answer, digest, rtol=rtol)
+                out[q] = "right"
+            except CheckFailed:
+                out[q] = f"not yet ({where})"
+    return out
+
+
+def quiz(lesson: str, answers: dict, run: dict | None = None) -> None:
+    """Print, per question, whether the answer is right, not yet (and where to look), or not answered yet; never
+    raises on a wrong or missing answer, so that a lesson runs top to bottom with empty answers."""
+    result = score(lesson, answers, run)
+    for q, verdict in result.items():
+        print(f"{q}: {verdict}")
+    print(f"{sum(v == 'right' for v in result.values())} of {len(result)} right")

@@ -62,7 +62,8 @@ def zero_calculator():
     preset = w.Dropdown(options=list(PRESETS), value="llama-7b", description="model")
     n = w.IntSlider(value=8, min=1, max=1024, description="ranks N")
     stage = w.Dropdown(options=[0, 1, 2, 3], value=2, description="stage")
-    offload = w.Dropdown(options=[None, "optimizer", "param"], value=None, description="offload")
+    # ipywidgets shows a value of None as no selection at all: "none" and 0 stand for it
+    offload = w.Dropdown(options=["none", "optimizer", "param"], value="none", description="offload")
     mixed = w.Dropdown(options=[("bf16 mixed", True), ("fp32", False)], value=True, description="precision")
     mb = w.IntSlider(value=1, min=1, max=32, description="micro-batch")
     out = w.Output()
@@ -70,7 +71,7 @@ def zero_calculator():
     def update(*_):
         with out:
             out.clear_output(wait=True)
-            off, note = usable_offload(stage.value, offload.value)
+            off, note = usable_offload(stage.value, None if offload.value == "none" else offload.value)
             cur = per_rank_bytes(PRESETS[preset.value], n.value, stage.value, off, mixed.value, mb.value)
             print(f"{preset.value}, N={n.value}, stage {stage.value}, offload {off}: "
                   f"{cur['device_total'] / 1e9:.2f} GB per rank on the device "

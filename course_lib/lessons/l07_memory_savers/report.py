@@ -139,10 +139,11 @@ def savers_planner():
                         description="model")
     n = w.IntSlider(value=8, min=1, max=1024, description="ranks N")
     stage = w.Dropdown(options=[0, 1, 2, 3], value=2, description="ZeRO stage")
-    offload = w.Dropdown(options=[None, "optimizer", "param"], value=None, description="offload")
+    # ipywidgets shows a value of None as no selection at all: "none" and 0 stand for it
+    offload = w.Dropdown(options=["none", "optimizer", "param"], value="none", description="offload")
     mixed = w.Dropdown(options=[("bf16 mixed", True), ("fp32", False)], value=True, description="precision")
     mb = w.IntSlider(value=4, min=1, max=64, description="micro-batch")
-    every = w.Dropdown(options=[("none", None), 1, 2, 4, 8], value=None, description="ckpt every")
+    every = w.Dropdown(options=[("none", 0)] + [(str(k), k) for k in (1, 2, 4, 8)], value=0, description="ckpt every")
     gb = w.IntSlider(value=512, min=1, max=4096, description="global batch")
     budget = w.FloatText(value=80.0, description="budget GB")
     out = w.Output()
@@ -150,9 +151,9 @@ def savers_planner():
     def update(*_):
         with out:
             out.clear_output(wait=True)
-            off, note = usable_offload(stage.value, offload.value)
+            off, note = usable_offload(stage.value, None if offload.value == "none" else offload.value)
             args = (PRESETS[preset.value], n.value, stage.value, off, mixed.value, mb.value)
-            cur = planner_bytes(*args, every=every.value, global_batch=gb.value)
+            cur = planner_bytes(*args, every=every.value or None, global_batch=gb.value)
             fits = "fits" if cur["device_total"] <= budget.value * 1e9 else "does NOT fit"
             print(f"{fmt_bytes(cur['device_total'])} per device ({fits} in {budget.value:g} GB), "
                   f"+{fmt_bytes(cur['cpu'])} in CPU memory; {cur['accum_steps']} accumulation steps "
@@ -164,7 +165,7 @@ def savers_planner():
                 for part, color in zip(("params", "grads", "optimizer", "activations"),
                                        ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd")):
                     ax.bar("no ckpt" if k is None else f"every {k}", b[part] / 1e9, bottom=bottom, color=color,
-                           label=part if i == 0 else None, edgecolor="k" if k == every.value else None)
+                           label=part if i == 0 else None, edgecolor="k" if k == (every.value or None) else None)
                     bottom += b[part] / 1e9
             ax.axhline(budget.value, color="#d62728", ls="--", lw=1, label="budget")
             ax.set_ylabel("GB per device")
