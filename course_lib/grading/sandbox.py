@@ -297,9 +297,10 @@ def command(argv: list[str], workdir: Path, hidden: list[Path]) -> list[str]:
             args += ["--symlink", os.readlink(p), p]
         elif os.path.isdir(p):
             args += ["--ro-bind", p, p]
+    # The private /tmp first, then what may be read on top of it: a venv or a checkout under /tmp stays visible.
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME]
     for p in readable():
         args += ["--ro-bind", str(p), str(p)]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME]
     for dev in sorted(glob.glob("/dev/nvidia*")):  # GPUs, where there are
         args += ["--dev-bind", dev, dev]
     workdir = str(Path(workdir).resolve())
