@@ -295,3 +295,14 @@ def test_limits_are_validated():
     with pytest.raises(sandbox.SandboxError, match="memory_mb=10"):
         sandbox.Limits(memory_mb=10)
     assert commands.main(["grade", "x.ipynb", "--max-procs", "3"]) == 2
+
+
+def test_a_venv_and_course_lib_under_tmp_stay_visible(monkeypatch, tmp_path):
+    """The private /tmp is mounted first and what may be read on top of it: CI's fresh clone (and its .venv) can
+    live under /tmp, and a sandbox that hid it could not start Python at all."""
+    monkeypatch.setattr(sandbox, "bwrap_path", lambda: "/usr/bin/bwrap")
+    monkeypatch.setattr(sandbox, "readable", lambda: [Path("/tmp/clone/.venv"), Path("/tmp/clone/course_lib")])
+    args = sandbox.command(["python", "-V"], tmp_path, hidden=[Path("/tmp/clone/solutions")])
+    tmpfs = args.index("--tmpfs")
+    for folder in ("/tmp/clone/.venv", "/tmp/clone/course_lib", str(tmp_path.resolve())):
+        assert args.index(folder) > tmpfs, f"{folder} is mounted before the private /tmp, which hides it"
