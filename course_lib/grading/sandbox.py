@@ -268,8 +268,11 @@ def apply_rlimits(limits: Limits) -> None:
 # ------------------------------------------------------------------------------------- the command
 
 def readable() -> list[Path]:
-    """What a submission may read besides the system: Python's prefixes and the course_lib package folder."""
+    """What a submission may read besides the system: Python's prefixes, the site-packages folders on sys.path
+    (a venv can reach another's through a .pth file) and the course_lib package folder."""
     paths = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
+    paths |= {Path(p).resolve() for p in sys.path if Path(p).name in ("site-packages", "dist-packages")
+              and Path(p).is_dir()}
     paths.add(PACKAGE)
     system = [Path(p).resolve() for p in SYSTEM if os.path.isdir(p)]
     return sorted(p for p in paths if not any(p.is_relative_to(s) for s in system))
