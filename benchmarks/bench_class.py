@@ -9,6 +9,11 @@ and a classmate, write outside its folder, reach the network, take all the memor
 course_lib on disk, plant a .pth file in the venv, or leave a process running. Prints each kind's scores, the wall
 time of each pass and the hardware; exits 1 when the CSVs differ or a process is left. Not a test: it takes about
 half an hour on a 2-core CPU.
+
+Found with it (2026-11-24, 2-core AMD EPYC, cgroup v1): at the default cap of 1024 processes the fork bomb keeps
+~800 busy processes alive until its cell times out, the load average reaches ~780 and the machine, the grader
+included, crawls for many minutes: the process cap bounds the count, not the CPU. A CPU quota per submission
+(cgroup cpu.max / cpu.cfs_quota_us) or a much lower process cap is needed before this benchmark can pass.
 """
 
 from __future__ import annotations
