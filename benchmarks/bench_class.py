@@ -14,6 +14,8 @@ Found with it (2026-11-24, 2-core AMD EPYC, cgroup v1): at the default cap of 10
 ~800 busy processes alive until its cell times out, the load average reaches ~780 and the machine, the grader
 included, crawls for many minutes: the process cap bounds the count, not the CPU. A CPU quota per submission
 (cgroup cpu.max / cpu.cfs_quota_us) or a much lower process cap is needed before this benchmark can pass.
+Since then the cap is 256 processes and the submission's processes share a CPU quota (all cores by default) as
+one group.
 """
 
 from __future__ import annotations
@@ -120,9 +122,13 @@ def main() -> int:
         by_kind.setdefault(kind, Counter())[f"{res['points']:g}/{res['max']:g}"] += 1
         if kind.startswith("hostile"):
             first = next(r for r in res["exercises"] if r["exercise"] == "02-average-gradients")
-            print(f"  {kind:32s} {res['points']:g}/{res['max']:g}, 02-average-gradients: {first['status'][:90]}")
+            print(f"  {kind:32s} {res['points']:g}/{res['max']:g} in {res.get('run_seconds') or 0:5.0f} s, "
+                  f"02-average-gradients: {first['status'][:80]}")
     for kind, scores in sorted(by_kind.items()):
         print(f"  {kind:32s} " + ", ".join(f"{n} x {s}" for s, n in sorted(scores.items())))
+    # "Not slow the next submission": the correct ones run before and after the hostile ones (sorted by name).
+    correct = [r.get("run_seconds") or 0 for r in results[0] if kinds[r["student"]] == "correct"]
+    print(f"  correct submissions' run time: {min(correct):.0f}-{max(correct):.0f} s")
     same = filecmp.cmp(csvs[0], csvs[1], shallow=False)
     escaped = (ROOT / "escaped.txt").exists() or "HACKED" in (ROOT / "course_lib" / "procs.py").read_text()
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if "bench-class-left" in (p.info["cmdline"] or [])]

@@ -15,6 +15,8 @@ import csv
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -295,6 +297,30 @@ def test_limits_are_validated():
     with pytest.raises(sandbox.SandboxError, match="memory_mb=10"):
         sandbox.Limits(memory_mb=10)
     assert commands.main(["grade", "x.ipynb", "--max-procs", "3"]) == 2
+    with pytest.raises(sandbox.SandboxError, match=r"cpus=0.01 is not between 0.1 and this machine's \d+ cores"):
+        sandbox.Limits(cpus=0.01)
+    assert commands.main(["grade", "x.ipynb", "--cpus", str((os.cpu_count() or 1) + 1)]) == 2
+
+
+def test_the_cpu_quota_holds_a_busy_process_to_its_share():
+    """A submission's processes together get ``cpus`` cores of CPU time: a fork bomb's hundreds of busy processes
+    share them and leave the grader and the machine the rest (bench_class found a 2-core machine crawling without).
+    Two processes spin for 2 s in a cgroup capped at 0.5 cores: together they get at most ~1 s of CPU, where
+    without the cap they would get up to 4 s."""
+    via = sandbox.caps_via() if sys.platform.startswith("linux") else "rlimit"
+    if not sandbox.cpu_capped(via):
+        pytest.skip(f"no CPU controller to delegate here ({via})")
+    assert "0.5 CPUs" in sandbox.describe(sandbox.Limits(cpus=0.5), via)
+    cgroup = sandbox.Cgroup(f"course-grade-cpu-test-{os.getpid()}", sandbox.Limits(cpus=0.5), via)
+    spin = ("import os, time\nos.fork()\nstart, cpu = time.time(), time.process_time()\n"
+            "while time.time() - start < 2: pass\nos.write(1, f'{time.process_time() - cpu}\\n'.encode())")
+    try:
+        out = subprocess.run([*cgroup.enter, sys.executable, "-c", spin], capture_output=True, text=True, timeout=60)
+    finally:
+        cgroup.close()
+    used = sum(float(x) for x in out.stdout.split())
+    assert len(out.stdout.split()) == 2, out.stderr
+    assert used < 1.3, f"two busy processes used {used:.2f} s of CPU in 2 s under a 0.5-core quota"
 
 
 def test_a_venv_and_course_lib_under_tmp_stay_visible(monkeypatch, tmp_path):

@@ -49,7 +49,7 @@ def cmd_grade(args: argparse.Namespace) -> int:
               f"and your files, use the network and all the memory"
               + ("" if args.no_sandbox else "; pass --no-sandbox to accept this"), file=sys.stderr)
     try:
-        limits = sandbox.Limits(args.memory_mb, args.max_procs)
+        limits = sandbox.Limits(args.memory_mb, args.max_procs, args.cpus)
     except sandbox.SandboxError as exc:
         print(f"course grade: {exc}", file=sys.stderr)
         return 2
@@ -100,6 +100,8 @@ def add_parsers(subparsers) -> None:
                    help=f"memory cap per submission, all its processes together (default {DEFAULT_MEMORY_MB})")
     g.add_argument("--max-procs", type=int, default=DEFAULT_MAX_PROCS,
                    help=f"processes + threads cap per submission (default {DEFAULT_MAX_PROCS})")
+    g.add_argument("--cpus", type=float, default=None,
+                   help="CPU quota per submission in cores, all its processes together (default: all cores)")
     g.set_defaults(func=cmd_grade)
 
 

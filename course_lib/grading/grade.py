@@ -219,7 +219,7 @@ def _sandboxing(sandboxed: bool | None, limits: sandbox.Limits | None) -> tuple[
         return None, f"off: {why}"
     limits = limits or sandbox.Limits()
     via = sandbox.caps_via()
-    caps = {"memory_mb": limits.memory_mb, "max_procs": limits.max_procs, "via": via}
+    caps = {**limits.as_dict(), "via": via}
     return caps, f"bubblewrap, {sandbox.describe(limits, via)}"
 
 
@@ -242,7 +242,7 @@ def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, ou
         try:
             cmd = sandbox.command(cmd, workdir, hidden=list(hidden))
             if caps["via"] != "rlimit":
-                cgroup = sandbox.Cgroup(workdir.name, sandbox.Limits(caps["memory_mb"], caps["max_procs"]), caps["via"])
+                cgroup = sandbox.Cgroup(workdir.name, sandbox.Limits.from_dict(caps), caps["via"])
                 cmd = cgroup.enter + cmd
         except (sandbox.SandboxError, OSError) as exc:
             raise GraderError(f"cannot set up the sandbox: {exc}") from None

@@ -172,13 +172,13 @@ def execute(plan: dict) -> dict:
                           resources={"metadata": {"path": workdir}}, startup_timeout=120,
                           record_timing=False, interrupt_on_timeout=False, iopub_timeout=10)
     client.output_limit = int(plan["output_limit"])
-    caps = plan.get("caps")  # {memory_mb, max_procs, via} in the sandbox, else None
+    caps = plan.get("caps")  # {memory_mb, max_procs, cpus, via} in the sandbox, else None
     record: dict = {"cells": [], "restarts": 0, "started": time.time(), "caps": caps}
     record_fd = int(plan["record_fd"])
     os.set_inheritable(record_fd, False)  # the kernel must not get it
     _keep_to_itself()
     if caps and caps["via"] == "rlimit":
-        sandbox.apply_rlimits(sandbox.Limits(caps["memory_mb"], caps["max_procs"]))
+        sandbox.apply_rlimits(sandbox.Limits.from_dict(caps))
     events = sandbox.limit_events if caps and caps["via"] != "rlimit" else dict
 
     def save() -> None:

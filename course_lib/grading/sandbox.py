@@ -11,11 +11,13 @@
   the grader's loopback is another one), no capabilities, a new session; everything dies with the grader;
 - a few environment variables (PATH, locale, ``COURSE_*``, thread counts): the grader's tokens stay out.
 
-Caps, for all of a submission's processes together: ``memory_mb`` of RAM + swap and ``max_procs``
-processes + threads, through a new cgroup (v2 where delegated, v1 where writable, a ``systemd-run`` scope on a
-systemd machine). Without one, rlimits cap each process's data memory, and the process count for a non-root
-user only (Linux does not count root's processes). The runner reads the cgroup's event counters around
-every cell (`limit_events`), so that a grade says ``memory limit (4096 MB) reached``, not ``kernel died``.
+Caps, for all of a submission's processes together: ``memory_mb`` of RAM + swap, ``max_procs``
+processes + threads and ``cpus`` cores of CPU time (a quota: a fork bomb's hundreds of busy processes share
+them, and the grader and the machine keep the rest of their share), through a new cgroup (v2 where
+delegated, v1 where writable, a ``systemd-run`` scope on a systemd machine). Without one, rlimits cap each
+process's data memory, and the process count for a non-root user only (Linux does not count root's
+processes), and nothing caps the CPU. The runner reads the cgroup's event counters around every cell
+(`limit_events`), so that a grade says ``memory limit (4096 MB) reached``, not ``kernel died``.
 """
 
 from __future__ import annotations
@@ -35,9 +37,12 @@ from pathlib import Path
 import course_lib
 
 # The largest peak of a solution graded in the sandbox (benchmarks/bench_grading.py --peaks, 2-core AMD EPYC):
-# lesson 02, four gloo ranks, 1874 MB and 60 processes + threads. The defaults leave twice that and more.
+# lesson 02, four gloo ranks, 1874 MB and 60 processes + threads. The defaults leave twice that and more; not
+# much more processes: at 1024 a fork bomb kept ~800 busy processes alive and a 2-core machine crawled for
+# minutes (benchmarks/bench_class.py). The CPU quota defaults to all cores (None): the submission's processes
+# then compete as one group, and a grade takes as long as the notebook does outside the sandbox.
 DEFAULT_MEMORY_MB = 4096
-DEFAULT_MAX_PROCS = 1024
+DEFAULT_MAX_PROCS = 256
 INSTALL = "apt-get install bubblewrap"
 PACKAGE = Path(course_lib.__file__).resolve().parent
 HOME = "/tmp/home"
@@ -58,10 +63,12 @@ class SandboxError(RuntimeError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Caps for one submission, all its processes together: RAM + swap, and processes + threads."""
+    """Caps for one submission, all its processes together: RAM + swap, processes + threads, and CPU time in
+    cores (None: all of this machine's)."""
 
     memory_mb: int = DEFAULT_MEMORY_MB
     max_procs: int = DEFAULT_MAX_PROCS
+    cpus: float | None = None
 
     def __post_init__(self):
         if self.memory_mb < 64:
@@ -69,6 +76,23 @@ class Limits:
         if self.max_procs < 16:
             raise SandboxError(f"max_procs={self.max_procs} is too small for a kernel and its threads: give at "
                                f"least 16")
+        cores = os.cpu_count() or 1
+        if self.cpus is not None and not 0.1 <= self.cpus <= cores:
+            raise SandboxError(f"cpus={self.cpus} is not between 0.1 and this machine's {cores} cores: give a "
+                               f"share of them (e.g. --cpus {max(1, cores - 1)}), or leave it out for all")
+
+    @property
+    def cores(self) -> float:
+        """The CPU quota in cores."""
+        return float(self.cpus if self.cpus is not None else os.cpu_count() or 1)
+
+    def as_dict(self) -> dict:
+        return {"memory_mb": self.memory_mb, "max_procs": self.max_procs, "cpus": self.cpus}
+
+    @classmethod
+    def from_dict(cls, caps: dict) -> "Limits":
+        """The limits in a runner plan's ``caps`` (which also holds ``via``)."""
+        return cls(caps["memory_mb"], caps["max_procs"], caps.get("cpus"))
 
 
 # ---------------------------------------------------------------------------------- availability
@@ -118,7 +142,8 @@ def doctor_line() -> tuple[bool, str]:
 # ---------------------------------------------------------------------------------------- cgroups
 
 def cgroup_dirs() -> dict[str, Path]:
-    """This process's cgroup folders: ``v2`` (the unified hierarchy), ``memory`` and ``pids`` (v1) where mounted."""
+    """This process's cgroup folders: ``v2`` (the unified hierarchy), ``memory``, ``pids`` and ``cpu`` (v1) where
+    mounted."""
     where = {}  # hierarchy -> path of this process in it
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
@@ -129,7 +154,7 @@ def cgroup_dirs() -> dict[str, Path]:
         fields = line.split()
         root, point = fields[3], fields[4]
         fstype, options = fields[fields.index("-") + 1], fields[-1].split(",")
-        names = ["v2"] if fstype == "cgroup2" else [o for o in ("memory", "pids") if o in options] \
+        names = ["v2"] if fstype == "cgroup2" else [o for o in ("memory", "pids", "cpu") if o in options] \
             if fstype == "cgroup" else []
         for name in names:
             path = where.get(name)
@@ -142,7 +167,8 @@ def _systemd_run(limits: Limits, unit: str = "") -> list[str]:
     user = ["--user"] if os.getuid() else []
     name = [f"--unit={unit}"] if unit else []
     return ["systemd-run", *user, *name, "--scope", "--quiet", "--collect", "-p", f"MemoryMax={limits.memory_mb}M",
-            "-p", "MemorySwapMax=0", "-p", f"TasksMax={limits.max_procs}", "--"]
+            "-p", "MemorySwapMax=0", "-p", f"TasksMax={limits.max_procs}", "-p",
+            f"CPUQuota={round(limits.cores * 100)}%", "--"]
 
 
 @functools.cache
@@ -177,11 +203,22 @@ def caps_via() -> str:
     return "systemd-run" if _systemd_caps() else "rlimit"
 
 
+def cpu_capped(via: str) -> bool:
+    """Whether a cgroup made ``via`` this way caps the CPU (its controller may not be delegated)."""
+    dirs = cgroup_dirs()
+    if via == "cgroup v2":
+        return "cpu" in (dirs["v2"] / "cgroup.subtree_control").read_text().split()
+    if via == "cgroup v1":
+        return _writable(dirs.get("cpu"))
+    return via == "systemd-run"
+
+
 def describe(limits: Limits, via: str) -> str:
     """One line for the results: what protects the grading machine."""
     procs = f"{limits.max_procs} processes" if via != "rlimit" or os.getuid() else "no process cap (root)"
     memory = f"{limits.memory_mb} MB" + (" per process" if via == "rlimit" else "")
-    return f"memory {memory}, {procs} ({via})"
+    cpu = f"{limits.cores:g} CPUs" if cpu_capped(via) else "CPU not capped"
+    return f"memory {memory}, {procs}, {cpu} ({via})"
 
 
 class Cgroup:
@@ -192,14 +229,19 @@ class Cgroup:
         if via == "systemd-run":
             self.enter = _systemd_run(limits, unit=name)
             return
-        dirs = cgroup_dirs()
+        dirs, period = cgroup_dirs(), 100_000  # µs
+        quota = round(limits.cores * period)
         if via == "cgroup v2":
             self.folders = [dirs["v2"] / name]
-            settings = {"memory.max": limits.memory_mb << 20, "memory.swap.max": 0, "pids.max": limits.max_procs}
+            settings = {"memory.max": limits.memory_mb << 20, "memory.swap.max": 0, "pids.max": limits.max_procs,
+                        "cpu.max": f"{quota} {period}"}
         else:
             self.folders = [dirs["memory"] / name, dirs["pids"] / name]
+            if cpu_capped(via):
+                self.folders.append(dirs["cpu"] / name)
             settings = {"memory.limit_in_bytes": limits.memory_mb << 20,
-                        "memory.memsw.limit_in_bytes": limits.memory_mb << 20, "pids.max": limits.max_procs}
+                        "memory.memsw.limit_in_bytes": limits.memory_mb << 20, "pids.max": limits.max_procs,
+                        "cpu.cfs_period_us": period, "cpu.cfs_quota_us": quota}
         for folder in self.folders:
             folder.mkdir()
         for key, value in settings.items():
