@@ -1,4 +1,4 @@
-"""The ``course`` command: doctor | gpu-check | lab | run | build | grade.
+"""The ``course`` command: doctor | gpu-check | lab | run | build | grade | lab-report.
 
     course doctor          check this machine: versions, devices, backends, a real 2-rank job
     course gpu-check       the instructor's self-test of a (GPU) node: a table of checks, non-zero exit on a failure
@@ -6,6 +6,7 @@
     course run 02          execute lesson 02 headless (progress bar), keep the executed copy
     course build [--check] write exercises/ from solutions/
     course grade PATH...   grade submissions (see docs/GRADING.md)
+    course lab-report      run the self-test and every lesson here, write one HTML report (reports/lab/)
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,50 +147,31 @@ def lab(extra: list[str]) -> int:
 # --------------------------------------------------------------------------------------------- run
 
 def run_notebook(path: Path, out_dir: Path, cell_timeout: float = 600) -> int:
-    """Execute a notebook cell by cell in a fresh kernel with a progress bar; keep the executed copy.
+    """Execute a notebook cell by cell in a fresh kernel with a progress bar; keep the executed copy and, beside
+    it, the comparisons the lesson recorded (``NN_name.comparisons.jsonl``, `course_lib.comparisons`).
 
     Returns 0 when every cell ran, 1 when one failed (the run stops there, like JupyterLab's "run all").
     Whatever the notebook started (torchrun jobs included) is killed at the end.
     """
-    import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
     from tqdm.auto import tqdm
 
-    from course_lib import procs
+    from course_lib import comparisons
+    from course_lib.lab_report import count_code_cells, execute_notebook
 
-    nb = nbformat.read(path, as_version=4)
-    tag = procs.new_tag("courserun")
-    outer = os.environ.get(procs.TAG_VAR)
-    os.environ[procs.TAG_VAR] = procs.nested_tag(tag)  # the kernel inherits it, and everything it starts
-    client = NotebookClient(nb, timeout=int(cell_timeout), kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}})
-    code_cells = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
-    out_dir.mkdir(parents=True, exist_ok=True)
     out_path = out_dir / path.name.replace(".ipynb", ".executed.ipynb")
-    failed = None
-    t0 = time.perf_counter()
-    try:
-        with client.setup_kernel():
-            for i in tqdm(code_cells, desc=path.stem, unit="cell"):
-                try:
-                    client.execute_cell(nb.cells[i], i)
-                except CellExecutionError as exc:
-                    first = (str(exc.evalue).strip().splitlines() or [""])[0]
-                    failed = (i, f"{exc.ename}: {first}")
-                    break
-    finally:
-        procs.kill_tree(tag=tag, grace_s=0.5)
-        if outer is None:
-            os.environ.pop(procs.TAG_VAR, None)
-        else:
-            os.environ[procs.TAG_VAR] = outer
-        nbformat.write(nb, out_path)
-    wall = time.perf_counter() - t0
+    records = out_dir / path.name.replace(".ipynb", ".comparisons.jsonl")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records.unlink(missing_ok=True)
+    env = {comparisons.ENV: str(records), "COURSE_LESSON": path.name[:2]}
+    with tqdm(total=count_code_cells(path), desc=path.stem, unit="cell") as bar:
+        failed, _, wall = execute_notebook(path, out_path, cell_timeout, env, on_cell=lambda i: bar.update(1))
     if failed:
-        print(f"FAILED: {path.name} cell {failed[0]}: {failed[1]}\nexecuted copy: {out_path}")
+        print(f"FAILED: {path.name} {failed}\nexecuted copy: {out_path}")
         return 1
-    print(f"OK: {path.name} ran in {wall:.1f} s; executed copy: {out_path}")
+    recorded = comparisons.load(records)
+    bad = [c.name for c in recorded if c.ok is False]
+    print(f"OK: {path.name} ran in {wall:.1f} s; {len(recorded) - len(bad)}/{len(recorded)} comparisons within "
+          f"tolerance{' (out: ' + '; '.join(bad) + ')' if bad else ''}; executed copy: {out_path}")
     return 0
 
 
@@ -234,8 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     from course_lib.grading.commands import add_parsers
+    from course_lib.lab_report import add_parser as add_lab_report
 
     add_parsers(sub)
+    add_lab_report(sub)
     return parser
 
 
