@@ -8,7 +8,7 @@ import sys
 import nbformat
 from nbformat.v4 import new_code_cell, new_notebook
 
-from course_lib import cli, procs
+from course_lib import cli, comparisons, procs
 
 
 def test_doctor_passes_and_names_where_time_went(capsys):
@@ -28,10 +28,14 @@ def _notebook(path, *sources):
 
 
 def test_run_keeps_executed_copy_and_fails_on_error(tmp_path, capsys, monkeypatch):
-    good = _notebook(tmp_path / "01_good.ipynb", "x = 6 * 7", "print('answer', x)")
+    good = _notebook(tmp_path / "01_good.ipynb", "x = 6 * 7", "print('answer', x)",
+                     "from course_lib.comparisons import compare\ncompare('x', x, 42, rtol=0, hardware='test')")
     assert cli.run_notebook(good, tmp_path / "out") == 0
     executed = nbformat.read(tmp_path / "out" / "01_good.executed.ipynb", as_version=4)
     assert executed.cells[1].outputs[0]["text"] == "answer 42\n"
+    assert "1/1 comparisons within tolerance" in capsys.readouterr().out
+    [recorded] = comparisons.load(tmp_path / "out" / "01_good.comparisons.jsonl")  # beside the executed copy
+    assert (recorded.name, recorded.status, recorded.lesson) == ("x", "pass", "01")
 
     # A notebook that starts a torchrun job and then fails: exit 1, the failing cell named, nothing left behind.
     bad = _notebook(tmp_path / "02_bad.ipynb",
@@ -52,7 +56,7 @@ def test_run_keeps_executed_copy_and_fails_on_error(tmp_path, capsys, monkeypatc
 def test_cli_entry_points():
     out = subprocess.run([sys.executable, "-m", "course_lib.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
-    for command in ("doctor", "lab", "run", "build", "grade"):
+    for command in ("doctor", "lab", "run", "build", "grade", "lab-report"):
         assert command in out.stdout
     bad = subprocess.run([sys.executable, "-m", "course_lib.cli", "run", "77"], capture_output=True, text=True)
     assert bad.returncode == 2 and "no lesson 77" in bad.stderr

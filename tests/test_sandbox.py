@@ -332,3 +332,21 @@ def test_a_venv_and_course_lib_under_tmp_stay_visible(monkeypatch, tmp_path):
     tmpfs = args.index("--tmpfs")
     for folder in ("/tmp/clone/.venv", "/tmp/clone/course_lib", str(tmp_path.resolve())):
         assert args.index(folder) > tmpfs, f"{folder} is mounted before the private /tmp, which hides it"
+
+
+
+def test_cap_settings_of_cgroup_v2_v1_and_systemd():
+    """What each mechanism is told (this machine has one of them; the others are checked by what they would
+    write): memory, processes and the CPU quota, in each mechanism's own units."""
+    limits = sandbox.Limits(memory_mb=100, max_procs=40, cpus=0.5)
+    assert sandbox.cgroup_settings(limits, "cgroup v2") == {
+        "memory.max": 100 << 20, "memory.swap.max": 0, "pids.max": 40, "cpu.max": "50000 100000"}
+    assert sandbox.cgroup_settings(limits, "cgroup v1") == {
+        "memory.limit_in_bytes": 100 << 20, "memory.memsw.limit_in_bytes": 100 << 20, "pids.max": 40,
+        "cpu.cfs_period_us": 100000, "cpu.cfs_quota_us": 50000}
+    prefix = sandbox.systemd_run_prefix(limits, unit="u")
+    assert {"MemoryMax=100M", "MemorySwapMax=0", "TasksMax=40", "CPUQuota=50%", "--unit=u"} <= set(prefix)
+    everything = sandbox.Limits(memory_mb=100, max_procs=40)
+    cores = os.cpu_count() or 1
+    assert sandbox.cgroup_settings(everything, "cgroup v2")["cpu.max"] == f"{cores * 100000} 100000"
+    assert "CPU not capped" in sandbox.describe(limits, "rlimit")

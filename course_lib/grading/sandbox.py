@@ -163,7 +163,7 @@ def cgroup_dirs() -> dict[str, Path]:
     return dirs
 
 
-def _systemd_run(limits: Limits, unit: str = "") -> list[str]:
+def systemd_run_prefix(limits: Limits, unit: str = "") -> list[str]:
     user = ["--user"] if os.getuid() else []
     name = [f"--unit={unit}"] if unit else []
     return ["systemd-run", *user, *name, "--scope", "--quiet", "--collect", "-p", f"MemoryMax={limits.memory_mb}M",
@@ -179,7 +179,7 @@ def _systemd_caps() -> bool:
     probe = Limits(memory_mb=123, max_procs=45)
     show = 'cat "/sys/fs/cgroup$(sed -n "s/^0:://p" /proc/self/cgroup)/memory.max"'
     try:
-        out = subprocess.run([*_systemd_run(probe), "sh", "-c", show], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([*systemd_run_prefix(probe), "sh", "-c", show], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.stdout.strip() == str(123 << 20)
@@ -221,27 +221,33 @@ def describe(limits: Limits, via: str) -> str:
     return f"memory {memory}, {procs}, {cpu} ({via})"
 
 
+def cgroup_settings(limits: Limits, via: str) -> dict[str, int | str]:
+    """The files a new cgroup (``cgroup v2`` or ``cgroup v1``) gets written, and their values. A file that the
+    cgroup lacks (memsw without swap accounting, cpu.* without the cpu controller) is skipped."""
+    period = 100_000  # µs
+    quota = round(limits.cores * period)
+    if via == "cgroup v2":
+        return {"memory.max": limits.memory_mb << 20, "memory.swap.max": 0, "pids.max": limits.max_procs,
+                "cpu.max": f"{quota} {period}"}
+    return {"memory.limit_in_bytes": limits.memory_mb << 20, "memory.memsw.limit_in_bytes": limits.memory_mb << 20,
+            "pids.max": limits.max_procs, "cpu.cfs_period_us": period, "cpu.cfs_quota_us": quota}
+
+
 class Cgroup:
     """A new cgroup with the caps for one submission; `enter` is the command prefix that runs a command in it."""
 
     def __init__(self, name: str, limits: Limits, via: str):
         self.via, self.folders, self.enter = via, [], []
         if via == "systemd-run":
-            self.enter = _systemd_run(limits, unit=name)
+            self.enter = systemd_run_prefix(limits, unit=name)
             return
-        dirs, period = cgroup_dirs(), 100_000  # µs
-        quota = round(limits.cores * period)
+        dirs, settings = cgroup_dirs(), cgroup_settings(limits, via)
         if via == "cgroup v2":
             self.folders = [dirs["v2"] / name]
-            settings = {"memory.max": limits.memory_mb << 20, "memory.swap.max": 0, "pids.max": limits.max_procs,
-                        "cpu.max": f"{quota} {period}"}
         else:
             self.folders = [dirs["memory"] / name, dirs["pids"] / name]
             if cpu_capped(via):
                 self.folders.append(dirs["cpu"] / name)
-            settings = {"memory.limit_in_bytes": limits.memory_mb << 20,
-                        "memory.memsw.limit_in_bytes": limits.memory_mb << 20, "pids.max": limits.max_procs,
-                        "cpu.cfs_period_us": period, "cpu.cfs_quota_us": quota}
         for folder in self.folders:
             folder.mkdir()
         for key, value in settings.items():
