@@ -6,8 +6,8 @@
     tp_model.sync_sequence_parallel_grads()                # only needed with sequence_parallel=True
 
 The model knows nothing of parallelism: `apply_tensor_parallel` slices its full weights into this rank's
-shards (Megatron-LM, Shoeybi et al. 2019), so the result equals one process exactly. Lesson 08's
-`ProcessGrid` will pass its tp group; until then any process group works (default: WORLD).
+shards (Megatron-LM, Shoeybi et al. 2019), so the result equals one process exactly. Any process group
+works (default: WORLD); in 3D parallelism it is `course_lib.dist.ProcessGrid`'s ``group("tp")``.
 
 * every block: attention heads split (`ParallelAttention`), MLP column then row (`ParallelMLP`);
 * token embedding and the tied head split along the vocabulary; `loss` is vocab-parallel cross-entropy,

@@ -1,0 +1,64 @@
+"""The process grid (lesson 08): rank <-> coordinates, the groups of each dimension, and PyTorch's DeviceMesh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib import dist as cdist
+from course_lib.launch import run
+
+
+def _grid(monkeypatch, world: int, r: int, **sizes) -> cdist.ProcessGrid:
+    """A grid of ``world`` ranks seen from rank ``r``, without processes (no groups are created)."""
+    monkeypatch.setattr(cdist, "world_size", lambda: world)
+    monkeypatch.setattr(cdist, "rank", lambda: r)
+    return cdist.ProcessGrid(**sizes)
+
+
+def test_coordinates_and_lines_keep_tp_innermost(monkeypatch):
+    grid = _grid(monkeypatch, 16, 13, dp=2, pp=4, tp=2)
+    assert grid.coords_of(13) == {"pp": 3, "dp": 0, "tp": 1}
+    assert [grid.rank_at(**grid.coords_of(r)) for r in range(16)] == list(range(16))
+    assert grid.lines("tp")[:3] == [[0, 1], [2, 3], [4, 5]]               # consecutive ranks: inside a node
+    assert grid.lines("dp")[:2] == [[0, 2], [1, 3]]
+    assert grid.lines("pp")[0] == [0, 4, 8, 12]
+    for name in ("dp", "pp", "tp"):                                        # each dimension partitions the world
+        assert sorted(r for line in grid.lines(name) for r in line) == list(range(16))
+    assert grid.ranks("pp") == [1, 5, 9, 13] and grid.coord("pp") == 3 and grid.coord("tp") == 1
+    with pytest.raises(ValueError, match="2 x 2 x 2 = 8, but the world has 16 ranks"):
+        _grid(monkeypatch, 16, 0, dp=2, pp=2, tp=2)
+    with pytest.raises(ValueError, match="tp=0 must be a positive integer"):
+        _grid(monkeypatch, 16, 0, dp=16, tp=0)
+    with pytest.raises(ValueError, match="no dimension 'cp'"):
+        grid.group("cp")
+
+
+def _rank_grid_groups(dp: int, pp: int, tp: int) -> dict:
+    """Each rank: its groups' members, a sum over each group, and the members of DeviceMesh's groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    grid = cdist.ProcessGrid(dp=dp, pp=pp, tp=tp)
+    out = {}
+    for name in ("dp", "pp", "tp"):
+        t = torch.tensor([float(cdist.rank())])
+        dist.all_reduce(t, group=grid.group(name))
+        out[name] = {"ranks": grid.ranks(name), "sum": t.item(), "coord": grid.coord(name),
+                     "group_rank": dist.get_rank(grid.group(name))}
+    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    out["mesh"] = {name: dist.get_process_group_ranks(mesh.get_group(name)) for name in ("dp", "pp", "tp")}
+    return out
+
+
+def test_grid_groups_on_8_gloo_ranks_match_device_mesh():
+    """2 x 2 x 2 on 8 ranks: an all-reduce over each group sums exactly its members; a rank's index in a group is its
+    coordinate; `init_device_mesh` with the same order builds the same groups."""
+    res = run(_rank_grid_groups, nprocs=8, args=(2, 2, 2), backend="gloo", timeout_s=240, stream=False)
+    for r, out in enumerate(res.returns):
+        for name in ("dp", "pp", "tp"):
+            got = out[name]
+            assert r in got["ranks"] and got["sum"] == sum(got["ranks"]), (r, name, got)
+            assert got["group_rank"] == got["coord"] == got["ranks"].index(r)
+            assert out["mesh"][name] == got["ranks"], (r, name)
+    assert res.returns[5]["tp"]["ranks"] == [4, 5] and res.returns[5]["pp"]["ranks"] == [1, 5]
