@@ -133,11 +133,13 @@ def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool 
     return TensorParallelGPT(model, group, sequence_parallel)
 
 
-def shard_like(tp_model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def shard_like(tp_model: nn.Module, full: dict[str, torch.Tensor], group=None) -> dict[str, torch.Tensor]:
     """Slice full tensors {name: tensor} (e.g. the gradients of one process) the way `tp_model` sliced its
-    parameters, so they can be compared with this rank's shards name by name."""
+    parameters, so they can be compared with this rank's shards name by name. ``group``: the tp group (default
+    ``tp_model.group``; a plain model whose blocks were made tensor-parallel in place, as in 3D, has none)."""
     from course_lib.parallel.tensor import shard
 
+    group = group if group is not None else getattr(tp_model, "group", None)
     modules = dict(tp_model.named_modules())
     out = {}
     for name, t in full.items():
@@ -147,7 +149,7 @@ def shard_like(tp_model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, 
             out[name] = t
         else:
             dim, fused = spec
-            out[name] = shard(t, dim, dist.get_rank(tp_model.group), tp_model.tp, fused)
+            out[name] = shard(t, dim, dist.get_rank(group), dist.get_world_size(group), fused)
     return out
 
 

@@ -1,0 +1,87 @@
+"""3D parallelism: a plain GPT on a `ProcessGrid`, pipelined over pp, Megatron TP over tp, data parallel over dp
+(lesson 08), composed from the course's own pieces of lessons 02-05.
+
+    grid = ProcessGrid(dp=2, pp=2, tp=2)                      # 8 ranks
+    stage = parallelize_3d(build_model(cfg, seed=0), grid)    # cfg.tie_embeddings=False (pipelining needs it)
+    opt = make_optimizer_3d(stage, grid, torch.optim.SGD, "zero1", lr=0.1)
+    loss = train_step_3d(stage, grid, x_dp, y_dp, m=4, optimizer=opt)   # x_dp: this DP rank's rows (b, T)
+
+- **pp**: the rank keeps the blocks of its pipeline stage (`pipeline.build_stage` with its ``pp`` coordinate), and
+  one step runs the 1F1B (or GPipe) schedule over m micro-batches (`pipeline.run_schedule`) inside its pp group:
+  TP rank t of stage s exchanges activations with TP rank t of stages s - 1 and s + 1.
+- **tp**: the stage's blocks become Megatron's column/row-parallel attention and MLP over the tp group
+  (`tensor_model.tensor_parallel_blocks`). Embeddings, the final LayerNorm and the head stay whole on every TP rank
+  of their stage (lesson 04 splits the vocabulary on its own): between blocks the activations are whole and the same
+  on the TP ranks, so every TP rank computes the same loss and the same gradients for the unsplit parameters.
+- **dp**: the grid's dp group holds replicas of the same shards; after the schedule their gradients are averaged
+  over it (`ddp.average_gradients`, "ddp"), or ZeRO-1 shards the optimizer over it (`zero.ZeroOptimizer`,
+  "zero1"), each rank's rows being its share of the global batch.
+
+The result equals one process on the global batch (tests/test_three_d.py: 8 gloo ranks as 2 x 2 x 2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from course_lib.dist import ProcessGrid
+from course_lib.parallel.ddp import average_gradients
+from course_lib.parallel.pipeline import P2P, Stage, build_stage, run_schedule, split_microbatches
+from course_lib.parallel.pipeline_schedules import schedule_orders
+from course_lib.parallel.tensor_model import shard_like, tensor_parallel_blocks, validate_tensor_parallel
+from course_lib.parallel.zero import ZeroOptimizer
+
+__all__ = ["parallelize_3d", "make_optimizer_3d", "train_step_3d", "shard_reference"]
+
+
+def parallelize_3d(model: nn.Module, grid: ProcessGrid) -> Stage:
+    """This rank's part of a plain GPT (built with the same seed on every rank): the blocks of its pipeline stage,
+    tensor-parallel over the grid's tp group. The model's blocks are changed in place (so ``model``'s parameter
+    names still name this rank's shards: see `shard_reference`)."""
+    tp = grid.sizes["tp"]
+    validate_tensor_parallel(model.cfg, tp)
+    stage = build_stage(model, grid.coord("pp"), grid.sizes["pp"])
+    if tp > 1:
+        tensor_parallel_blocks(stage.blocks, grid.group("tp"))
+    return stage
+
+
+def make_optimizer_3d(stage: nn.Module, grid: ProcessGrid, optimizer_cls=torch.optim.SGD, data_parallel: str = "ddp",
+                      **kwargs):
+    """The optimizer of a stage's shards: a plain ``optimizer_cls`` ("ddp": every DP replica steps the same
+    averaged gradients) or ZeRO-1 over the dp group ("zero1": each DP rank steps 1/dp of every shard)."""
+    if data_parallel == "ddp":
+        return optimizer_cls(stage.parameters(), **kwargs)
+    if data_parallel == "zero1":
+        return ZeroOptimizer(stage, optimizer_cls, stage=1, group=grid.group("dp"), **kwargs)
+    raise ValueError(f"data_parallel={data_parallel!r}: choose 'ddp' or 'zero1'")
+
+
+def train_step_3d(stage: Stage, grid: ProcessGrid, x: torch.Tensor, y: torch.Tensor, m: int, optimizer,
+                  schedule: str = "1f1b") -> float | None:
+    """One training step. x, y: this DP rank's rows (b, T), the same on every rank of its pp and tp groups.
+    Returns the mean loss of those rows on the last stage (None on the other stages)."""
+    p, pp_rank = grid.sizes["pp"], grid.coord("pp")
+    device = next(stage.parameters()).device
+    order = schedule_orders(schedule, p, m)[pp_rank]
+    comm = P2P(pp_rank, p, device, group=grid.group("pp")) if p > 1 else None
+    out = run_schedule(stage, order, split_microbatches(x, m), split_microbatches(y, m), comm)
+    if isinstance(optimizer, ZeroOptimizer):
+        optimizer.step()                 # reduce-scatters the gradients over dp, steps its chunks, all-gathers
+    else:
+        if grid.sizes["dp"] > 1:
+            average_gradients(stage, group=grid.group("dp"))
+        optimizer.step()
+    optimizer.zero_grad()
+    return sum(out["losses"]) / m if stage.is_last else None
+
+
+def shard_reference(model: nn.Module, stage: nn.Module, grid: ProcessGrid,
+                    full: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{name: (this rank's parameter, the same slice of the one-process tensor ``full[name]``)} for every
+    parameter of ``stage``, named as in the plain ``model``: the pairs a test compares."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    mine = {names[id(p)]: p.detach().cpu() for p in stage.parameters()}
+    ref = shard_like(model, {n: full[n] for n in mine}, group=grid.group("tp"))
+    return {n: (mine[n], ref[n]) for n in mine}

@@ -1,0 +1,57 @@
+"""3D parallelism from the course's pieces (lesson 08): 8 gloo ranks as dp 2 x pp 2 x tp 2 train a GPT for 3 steps
+and must equal one process on the global batch (losses and every parameter shard), with plain data parallelism
+and with ZeRO-1 over the dp group."""
+
+from __future__ import annotations
+
+import torch
+
+from course_lib import dist as cdist
+from course_lib.data import random_batches
+from course_lib.launch import run
+from course_lib.lessons.common import max_relative_error, shard_batch, small_config, train_reference
+from course_lib.model import build_model
+from course_lib.parallel.three_d import make_optimizer_3d, parallelize_3d, shard_reference, train_step_3d
+
+# fp32; the only differences from one process are the orders of sums (TP's all-reduce, DP's average, micro-batches).
+TOL = 1e-5
+CFG = small_config(n_layer=4, tie_embeddings=False)
+STEPS, BATCH, M, LR = 3, 8, 2, 0.1
+
+
+def _rank_3d(dp: int, pp: int, tp: int, data_parallel: str) -> dict:
+    grid = cdist.ProcessGrid(dp=dp, pp=pp, tp=tp)
+    batches = random_batches(CFG, BATCH, steps=STEPS, seed=1)
+    ref = train_reference(CFG, batches, "sgd", lr=LR, seed=0)
+    model = build_model(CFG, seed=0)
+    stage = parallelize_3d(model, grid)
+    opt = make_optimizer_3d(stage, grid, torch.optim.SGD, data_parallel, lr=LR)
+    losses = []
+    for x, y in batches:
+        dp_rank = grid.coord("dp")
+        losses.append(train_step_3d(stage, grid, shard_batch(x, dp_rank, dp), shard_batch(y, dp_rank, dp), M, opt))
+    pairs = shard_reference(model, stage, grid, ref["params"])
+    mine, expected = {n: a for n, (a, _) in pairs.items()}, {n: b for n, (_, b) in pairs.items()}
+    return {"losses": losses, "ref_losses": ref["losses"], "coords": grid.coords_of(cdist.rank()),
+            "param_err": max_relative_error(mine, expected),
+            "n_params": len(pairs), "shapes_differ": any(a.shape != b.shape for a, b in pairs.values())}
+
+
+def _rank_both() -> list[dict]:
+    return [_rank_3d(2, 2, 2, "ddp"), _rank_3d(2, 2, 2, "zero1")]
+
+
+def test_3d_on_8_gloo_ranks_equals_one_process():
+    res = run(_rank_both, nprocs=8, backend="gloo", timeout_s=300, stream=False)
+    for variant in (0, 1):
+        outs = [r[variant] for r in res.returns]
+        for out in outs:
+            assert not out["shapes_differ"] and out["n_params"] > 0
+            assert out["param_err"] < TOL, (variant, out["coords"], out["param_err"])
+        last = [o for o in outs if o["coords"]["pp"] == 1]          # the last stage holds the losses
+        assert len(last) == 4
+        for step in range(STEPS):
+            mean = sum(o["losses"][step] for o in last) / len(last)  # 2 tp copies x 2 dp halves
+            ref = outs[0]["ref_losses"][step]
+            assert abs(mean - ref) <= TOL * abs(ref), (variant, step, mean, ref)
+        assert all(o["losses"] == [None] * STEPS for o in outs if o["coords"]["pp"] == 0)
