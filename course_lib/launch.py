@@ -205,6 +205,16 @@ def _new_run_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=_runs_base()))
 
 
+def _job_dir(fn: Callable, args: Sequence, kwargs: dict | None, backend: str, threads: int, timeout_s: float) -> Path:
+    """A new run folder holding the pickled job and the settings every rank reads (`course_lib._worker`)."""
+    payload = _pickle_payload(fn, args, kwargs or {})
+    run_dir = _new_run_dir()
+    (run_dir / "payload.pkl").write_bytes(payload)
+    (run_dir / "settings.json").write_text(json.dumps({
+        "backend": backend, "threads_per_rank": threads, "pg_timeout_s": max(30, int(timeout_s) + 30)}))
+    return run_dir
+
+
 def _child_env(extra: dict | None, threads: int, tag: str) -> dict:
     env = dict(os.environ)
     env.update({
@@ -223,7 +233,7 @@ def _child_env(extra: dict | None, threads: int, tag: str) -> dict:
 
 
 def torchrun_command(target: Sequence[str], nprocs: int, *, nnodes: int = 1, rdzv_endpoint: str | None = None,
-                     port: int | None = None) -> list[str]:
+                     port: int | None = None, rdzv_id: str = "course") -> list[str]:
     """The torchrun command line for ``target`` (``['-m', 'module', ...]`` or ``['script.py', ...]``).
 
     One node: a standalone rendezvous on a free port (``localhost:0``) or on ``port``.
@@ -232,7 +242,7 @@ def torchrun_command(target: Sequence[str], nprocs: int, *, nnodes: int = 1, rdz
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}"]
     if nnodes > 1:
         endpoint = rdzv_endpoint or "HEAD_NODE_ADDRESS:29500"
-        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=course"]
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
     elif port is not None:
         cmd += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
     else:
@@ -340,27 +350,61 @@ def _failure(result: RunResult, launcher_log: Path, returncode: int | None) -> D
     return DistributedRunError(msg, rank=rank, traceback="", partial=result)
 
 
+def _node_commands(target: Sequence[str], nprocs: int, nnodes: int, port: int | None, env: dict,
+                   run_dir: Path) -> list[tuple[list[str], dict]]:
+    """(command, environment) of each torchrun launcher: one, or ``nnodes`` "nodes" on this machine that meet in a
+    c10d rendezvous on the loopback address, as real nodes do on the head node's (with GPUs, each node gets its
+    own ``nprocs / nnodes`` of them through CUDA_VISIBLE_DEVICES)."""
+    if nnodes == 1:
+        return [(torchrun_command(target, nprocs, port=port), env)]
+    per_node = nprocs // nnodes
+    endpoint = f"127.0.0.1:{port or _free_port()}"
+    gpus = [str(g) for g in range(_gpu_count())]
+    out = []
+    for node in range(nnodes):
+        cmd = torchrun_command(target, per_node, nnodes=nnodes, rdzv_endpoint=endpoint, rdzv_id=run_dir.name)
+        node_env = dict(env)
+        if len(gpus) >= nprocs:
+            node_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[node * per_node:(node + 1) * per_node])
+        out.append((cmd, node_env))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, env: dict | None,
-            stream: bool, run_dir: Path, port: int | None, threads: int) -> RunResult:
+            stream: bool, run_dir: Path, port: int | None, threads: int, nnodes: int = 1) -> RunResult:
     tag = procs.new_tag("launch")
     launcher_log = run_dir / "launcher.log"
-    cmd = torchrun_command(target, nprocs, port=port)
     launch_time = time.time()
     t0 = time.perf_counter()
     streamer = _Streamer(run_dir / "rank0.log", stream)
-    with open(launcher_log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=_child_env(env, threads, tag), cwd=os.getcwd(), start_new_session=True)
+    launchers = []
+    for node, (cmd, node_env) in enumerate(_node_commands(target, nprocs, nnodes, port,
+                                                          _child_env(env, threads, tag), run_dir)):
+        log = launcher_log if node == 0 else run_dir / f"launcher{node}.log"
+        with open(log, "wb") as out:
+            launchers.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                              env=node_env, cwd=os.getcwd(), start_new_session=True))
     state = "running"
     results = [run_dir / f"result{r}.pkl" for r in range(nprocs)]
     all_done_at = None
     try:
         while True:
-            try:
-                proc.wait(timeout=0.05)
-                break
-            except subprocess.TimeoutExpired:
-                pass
+            codes = [p.poll() for p in launchers]
+            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+                break                          # all launchers done, or one failed (its ranks are gone)
+            time.sleep(0.05)
             streamer.pump()
             now = time.perf_counter()
             if now - t0 > timeout_s:
@@ -375,12 +419,16 @@ def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, 
     except KeyboardInterrupt:
         state = "interrupted"
     finally:
-        procs.kill_tree(proc.pid, tag=tag, grace_s=1.0)
-        proc.wait()
+        exited = [p.poll() for p in launchers]        # before the clean-up kills what is left
+        for launcher in launchers:
+            procs.kill_tree(launcher.pid, tag=tag, grace_s=1.0)
+            launcher.wait()
         streamer.pump()
     wall = time.perf_counter() - t0
     result = _collect(run_dir, nprocs, backend, wall, launch_time, threads)
-    return _outcome(state, result, launcher_log, proc.returncode, timeout_s)
+    failed = next((i for i, code in enumerate(exited) if code), 0)   # the launcher that failed first, if one did
+    log = launcher_log if failed == 0 else run_dir / f"launcher{failed}.log"
+    return _outcome(state, result, log, launchers[failed].returncode, timeout_s)
 
 
 def _outcome(state: str, result: RunResult, launcher_log: Path, returncode: int | None,
@@ -496,18 +544,35 @@ def run(fn: Callable, nprocs: int, *, args: Sequence = (), kwargs: dict | None =
     _validate_port(port)
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise LaunchError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
-    payload = _pickle_payload(fn, args, kwargs or {})
     threads = threads_per_rank or max(1, procs.usable_cores() // nprocs)
-    run_dir = _new_run_dir()
-    (run_dir / "payload.pkl").write_bytes(payload)
-    (run_dir / "settings.json").write_text(json.dumps({
-        "backend": backend, "threads_per_rank": threads, "pg_timeout_s": max(30, int(timeout_s) + 30)}))
+    run_dir = _job_dir(fn, args, kwargs, backend, threads, timeout_s)
     if not fresh and port is None and pool_mod.enabled():
         warm = _pool_for(nprocs, backend, threads, env)
         if warm is not None:
             return _launch_pooled(warm, nprocs, backend, timeout_s, stream, run_dir, threads)
     return _launch(["-m", "course_lib._worker", str(run_dir)], nprocs, backend, timeout_s, env, stream,
                    run_dir, port, threads)
+
+
+def run_nodes(fn: Callable, nnodes: int, nproc_per_node: int, *, args: Sequence = (), kwargs: dict | None = None,
+              backend: str = "auto", timeout_s: float = 300.0, env: dict | None = None,
+              stream: bool = True) -> RunResult:
+    """`run` with ``nnodes`` "nodes" on this machine: one torchrun launcher of ``nproc_per_node`` ranks per node,
+    started as on a cluster (``--nnodes``, a c10d rendezvous, here on the loopback address; the README's multi-node
+    command) and meeting there. The ranks see the same world as one launcher of ``nnodes * nproc_per_node``
+    (``GROUP_RANK`` tells the node, ``LOCAL_RANK`` the rank in it), so the result must be the same (lesson 08).
+    Always fresh processes; the same `RunResult` and errors as `run`."""
+    for name, value in (("nnodes", nnodes), ("nproc_per_node", nproc_per_node)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LaunchError(f"run_nodes: {name}={value!r} must be a positive int")
+    nprocs = _validate_nprocs(nnodes * nproc_per_node)
+    backend = resolve_backend(backend, nprocs)
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise LaunchError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+    threads = max(1, procs.usable_cores() // nprocs)
+    run_dir = _job_dir(fn, args, kwargs, backend, threads, timeout_s)
+    return _launch(["-m", "course_lib._worker", str(run_dir)], nprocs, backend, timeout_s, env, stream, run_dir,
+                   None, threads, nnodes=nnodes)
 
 
 def run_script(path: str | os.PathLike, nprocs: int, args: Sequence[str] = (), *, timeout_s: float = 600.0,

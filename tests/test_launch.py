@@ -15,7 +15,7 @@ import torch.distributed as dist
 from course_lib import dist as cdist
 from course_lib import procs
 from course_lib.dist import pick_backend
-from course_lib.launch import DistributedRunError, LaunchError, RunInterrupted, RunTimeout, run, run_script
+from course_lib.launch import DistributedRunError, LaunchError, RunInterrupted, RunTimeout, run, run_nodes, run_script
 
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")   # (tests/conftest.py)
@@ -233,3 +233,30 @@ def test_kill_tree_catches_escaped_orphans():
     procs.kill_tree(parent.pid, tag=tag, grace_s=0.5)
     parent.wait()
     assert procs.tagged_processes(tag) == []
+
+
+def _node_info():
+    t = torch.tensor([float(dist.get_rank() + 1)], device=cdist.device())
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "node": int(os.environ["GROUP_RANK"]),
+            "local": int(os.environ["LOCAL_RANK"]), "sum": t.item()}
+
+
+def _fail_on_node_one():
+    if int(os.environ["GROUP_RANK"]) == 1 and int(os.environ["LOCAL_RANK"]) == 1:
+        raise ValueError("boom on the second node")
+    dist.barrier()
+
+
+def test_two_nodes_on_one_machine_meet_in_one_world():
+    """Two torchrun launchers of 2 ranks each (`run_nodes`: --nnodes=2, a c10d rendezvous on the loopback address)
+    form one world of 4: node = GROUP_RANK, consecutive global ranks per node; a rank failing on the second node
+    is named with its own traceback, and both launchers' trees are gone (no_leftovers)."""
+    res = run_nodes(_node_info, 2, 2, backend="gloo", stream=False, timeout_s=120)
+    assert [(r["rank"], r["node"], r["local"]) for r in res.returns] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    assert all(r["world"] == 4 and r["sum"] == 10 for r in res.returns)
+    with pytest.raises(DistributedRunError) as info:
+        run_nodes(_fail_on_node_one, 2, 2, backend="gloo", stream=False, timeout_s=120)
+    assert info.value.rank == 3 and "boom on the second node" in str(info.value)
+    with pytest.raises(LaunchError, match="nproc_per_node=0 must be a positive int"):
+        run_nodes(_node_info, 2, 0)

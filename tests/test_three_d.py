@@ -8,7 +8,7 @@ import torch
 
 from course_lib import dist as cdist
 from course_lib.data import random_batches
-from course_lib.launch import run
+from course_lib.launch import run, run_nodes
 from course_lib.lessons.common import max_relative_error, shard_batch, small_config, train_reference
 from course_lib.model import build_model
 from course_lib.parallel.three_d import make_optimizer_3d, parallelize_3d, shard_reference, train_step_3d
@@ -55,3 +55,17 @@ def test_3d_on_8_gloo_ranks_equals_one_process():
             ref = outs[0]["ref_losses"][step]
             assert abs(mean - ref) <= TOL * abs(ref), (variant, step, mean, ref)
         assert all(o["losses"] == [None] * STEPS for o in outs if o["coords"]["pp"] == 0)
+
+
+def _rank_ddp() -> dict:
+    return _rank_3d(2, 2, 2, "ddp")
+
+
+def test_3d_on_two_nodes_of_4_equals_one_launcher_of_8():
+    """The README's multi-node command on one machine: two launchers of 4 ranks meeting in a c10d rendezvous give
+    bit for bit what one launcher of 8 gives (the same ranks, groups and order of sums)."""
+    one = run(_rank_ddp, nprocs=8, backend="gloo", timeout_s=300, stream=False)
+    two = run_nodes(_rank_ddp, 2, 4, backend="gloo", timeout_s=300, stream=False)
+    assert [r["losses"] for r in two.returns] == [r["losses"] for r in one.returns]
+    assert [r["param_err"] for r in two.returns] == [r["param_err"] for r in one.returns]
+    assert max(r["param_err"] for r in two.returns) < TOL
