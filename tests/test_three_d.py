@@ -69,3 +69,38 @@ def test_3d_on_two_nodes_of_4_equals_one_launcher_of_8():
     assert [r["losses"] for r in two.returns] == [r["losses"] for r in one.returns]
     assert [r["param_err"] for r in two.returns] == [r["param_err"] for r in one.returns]
     assert max(r["param_err"] for r in two.returns) < TOL
+
+
+def _rank_torch_3d(dp: int, pp: int, tp: int) -> dict:
+    """The same training with PyTorch's pieces: a 3-D DeviceMesh, DTensor TP, FSDP2 over dp, pipelining's 1F1B."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from course_lib.parallel.three_d_torch import (full_parameters_3d, parallelize_3d_torch, pipeline_schedule_3d,
+                                                   train_step_3d_torch)
+
+    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    batches = random_batches(CFG, BATCH, steps=STEPS, seed=1)
+    ref = train_reference(CFG, batches, "sgd", lr=LR, seed=0)
+    model = build_model(CFG, seed=0)
+    stage = parallelize_3d_torch(model, mesh)
+    schedule = pipeline_schedule_3d(stage, mesh, M)
+    opt = torch.optim.SGD(stage.parameters(), lr=LR)
+    dp_rank, losses = mesh["dp"].get_local_rank(), []
+    for x, y in batches:
+        losses.append(train_step_3d_torch(schedule, mesh, shard_batch(x, dp_rank, dp), shard_batch(y, dp_rank, dp),
+                                          opt))
+    full = full_parameters_3d(model, stage, mesh)
+    return {"losses": losses, "ref_losses": ref["losses"], "pp": mesh["pp"].get_local_rank(),
+            "param_err": max_relative_error(full, {n: ref["params"][n] for n in full}), "n_params": len(full)}
+
+
+def test_3d_with_pytorch_pieces_equals_one_process():
+    """torchtitan's composition on 8 gloo ranks (2 x 2 x 2): equal to one process within the same tolerance."""
+    res = run(_rank_torch_3d, nprocs=8, args=(2, 2, 2), backend="gloo", timeout_s=300, stream=False)
+    for out in res.returns:
+        assert out["n_params"] > 0 and out["param_err"] < TOL, (out["pp"], out["param_err"])
+    last = [o for o in res.returns if o["pp"] == 1]
+    for step in range(STEPS):
+        mean = sum(o["losses"][step] for o in last) / len(last)
+        ref = res.returns[0]["ref_losses"][step]
+        assert abs(mean - ref) <= TOL * abs(ref), (step, mean, ref)

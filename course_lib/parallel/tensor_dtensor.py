@@ -21,13 +21,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["block_plan", "parallelize_blocks", "apply_dtensor_tp", "permute_qkv_rows"]
+__all__ = ["block_plan", "parallelize_blocks", "apply_dtensor_tp", "permute_qkv_rows", "unpermute_qkv_rows"]
 
 
 def permute_qkv_rows(t: torch.Tensor, tp: int) -> torch.Tensor:
     """[q; k; v] (3C, ...) -> [q_0; k_0; v_0; q_1; ...]: contiguous block r = rank r's heads of q, k and v."""
     q, k, v = t.chunk(3, 0)
     return torch.cat([torch.cat([q.chunk(tp, 0)[r], k.chunk(tp, 0)[r], v.chunk(tp, 0)[r]]) for r in range(tp)])
+
+
+def unpermute_qkv_rows(t: torch.Tensor, tp: int) -> torch.Tensor:
+    """The inverse of `permute_qkv_rows`: [q_0; k_0; v_0; q_1; ...] -> [q; k; v] (a full DTensor back in the plain
+    model's order)."""
+    return torch.cat([torch.cat(part) for part in zip(*[c.chunk(3, 0) for c in t.chunk(tp, 0)])])
 
 
 def _local_heads_forward(self, x: torch.Tensor) -> torch.Tensor:
