@@ -257,8 +257,8 @@ def _gpt2(name: str, n_layer: int, n_head: int, d_model: int) -> ModelConfig:
 
 
 def _llama(name: str, n_layer: int, n_head: int, d_model: int, d_ff: int, n_kv_head=None,
-           seq_len: int = 4096) -> ModelConfig:
-    return ModelConfig(vocab_size=32000, seq_len=seq_len, n_layer=n_layer, n_head=n_head,
+           seq_len: int = 4096, vocab_size: int = 32000) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=n_head,
                        d_model=d_model, d_ff=d_ff, n_kv_head=n_kv_head, bias=False,
                        tie_embeddings=False, norm="rmsnorm", mlp="swiglu", pos="rope", name=name)
 
@@ -276,6 +276,9 @@ PRESETS: dict[str, ModelConfig] = {
                              name="gpt3-175b"),
     "llama-7b": _llama("llama-7b", 32, 32, 4096, 11008),
     "llama-70b": _llama("llama-70b", 80, 64, 8192, 28672, n_kv_head=8),
+    # Llama 3 (Dubey et al. 2024, table 3): vocabulary 128,256, GQA with 8 key/value heads, context 8,192.
+    "llama3-70b": _llama("llama3-70b", 80, 64, 8192, 28672, n_kv_head=8, seq_len=8192, vocab_size=128256),
+    "llama3-405b": _llama("llama3-405b", 126, 128, 16384, 53248, n_kv_head=8, seq_len=8192, vocab_size=128256),
 }
 
 

@@ -1,0 +1,1 @@
+"""Lesson 08: 3D parallelism and choosing a strategy."""
