@@ -82,6 +82,10 @@ def attacks(paths: dict[str, str], port: int, host_ip: str) -> dict[str, str]:
         "read_classmate": read.format(paths["classmate"]),
         "read_home": read.format(paths["home"]),
         "write_outside": f"from pathlib import Path\nPath({paths['outside']!r}).write_text('escaped')",
+        # The checkout's folder exists in the sandbox (course_lib is mounted below it), on the sandbox's own root:
+        # a write there would change nothing outside, but must fail all the same (found by bench_class).
+        "write_checkout": ("import course_lib\nfrom pathlib import Path\n"
+                           "(Path(course_lib.__file__).resolve().parents[1] / 'sandbox-escaped.txt').write_text('x')"),
         "write_solutions": f"from pathlib import Path\nPath({paths['solution']!r}).write_text('{{}}')",
         "net_loopback": connect.format("127.0.0.1", port),
         "net_external": connect.format(host_ip, port),
@@ -214,7 +218,7 @@ def test_a_correct_submission_scores_full_marks_in_the_sandbox(graded):
 
 
 @pytest.mark.parametrize("name", ["read_checkout", "read_solutions", "read_classmate", "read_home",
-                                  "write_outside", "write_solutions", "net_loopback", "net_external", "memory",
+                                  "write_outside", "write_checkout", "write_solutions", "net_loopback", "net_external", "memory",
                                   "fork_bomb", "patch_course_lib", "plant_pth", "leave_process"])
 def test_an_attack_costs_its_exercise_only(graded, name):
     if name not in graded["results"]:
@@ -243,6 +247,8 @@ def test_writes_outside_the_temp_folder_change_nothing(graded):
     assert not graded["patched"] and not graded["planted"]
     assert "Read-only file system" in statuses(graded["results"]["patch_course_lib"])["sb-answer"]
     assert "Read-only file system" in statuses(graded["results"]["plant_pth"])["sb-answer"]
+    assert "Read-only file system" in statuses(graded["results"]["write_checkout"])["sb-answer"]
+    assert not (PATCHED.parents[1] / "sandbox-escaped.txt").exists()
 
 
 def test_the_network_is_only_the_sandboxs_own_loopback(graded):

@@ -355,7 +355,9 @@ def command(argv: list[str], workdir: Path, hidden: list[Path]) -> list[str]:
     for dev in sorted(glob.glob("/dev/nvidia*")):  # GPUs, where there are
         args += ["--dev-bind", dev, dev]
     workdir = str(Path(workdir).resolve())
-    return args + ["--bind", workdir, workdir, "--chdir", workdir, "--", *argv]
+    # The sandbox's own root (a tmpfs holding the folders its mount points need, e.g. the checkout's above
+    # course_lib) read-only too: a write outside the temp folder fails instead of landing there unseen.
+    return args + ["--bind", workdir, workdir, "--remount-ro", "/", "--chdir", workdir, "--", *argv]
 
 
 def environment(env: dict[str, str]) -> dict[str, str]:
