@@ -623,15 +623,17 @@ def fmt_flops(n: float, per_s: bool = True) -> str:
 # Communication: collectives counted per call (lesson 04), intervals of a profiled timeline (lessons 01, 02)
 # ---------------------------------------------------------------------------------------------
 
-COUNTED_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                       "reduce_scatter_tensor", "broadcast", "all_to_all_single")
+# (the *_single forms are torch 2.14's names for the flat-tensor collectives; older releases lack them)
+COUNTED_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+                       "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "all_to_all_single")
 # one name per algorithm
-COLLECTIVE_NAMES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+COLLECTIVE_NAMES = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+                    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter"}
 
 
 def _payload(op: str, args: tuple, kwargs: dict) -> torch.Tensor | list:
     first = args[0] if args else kwargs.get("tensor", kwargs.get("output", kwargs.get("output_tensor")))
-    if op == "reduce_scatter_tensor":                  # (output, input): the input is the full tensor
+    if op in ("reduce_scatter_tensor", "reduce_scatter_single"):   # (output, input): the input is the full tensor
         return args[1] if len(args) > 1 else kwargs["input"]
     if op == "reduce_scatter":                         # (output, input_list)
         return args[1] if len(args) > 1 else kwargs["input_list"]
@@ -665,12 +667,15 @@ class CollectiveCounter:
 
     def __init__(self):
         self.records: list[tuple[str, str, int, int]] = []
+        self.groups: list[tuple[int, ...]] = []        # the global ranks of each record's group (lesson 08)
         self.current = "other"
         self._saved: dict = {}
 
     def __enter__(self) -> "CollectiveCounter":
         for op in COUNTED_COLLECTIVES:
-            real = getattr(dist, op)
+            real = getattr(dist, op, None)
+            if real is None:
+                continue
             self._saved[op] = real
             setattr(dist, op, self._wrap(op, real))
         return self
@@ -685,6 +690,7 @@ class CollectiveCounter:
             group = kwargs.get("group")
             self.records.append((self.current, COLLECTIVE_NAMES.get(op, op), _nbytes(_payload(op, args, kwargs)),
                                  dist.get_world_size(group)))
+            self.groups.append(tuple(dist.get_process_group_ranks(group or dist.group.WORLD)))
             return real(*args, **kwargs)
         return counted
 
@@ -699,6 +705,14 @@ class CollectiveCounter:
 
     def reset(self) -> None:
         self.records.clear()
+        self.groups.clear()
+
+    def bytes_by_group(self) -> dict[tuple[int, ...], int]:
+        """{global ranks of a group: payload bytes of the collectives called on it} (a 3D grid's dimensions)."""
+        out: dict[tuple[int, ...], int] = collections.defaultdict(int)
+        for (_, _, nbytes, _), ranks in zip(self.records, self.groups):
+            out[ranks] += nbytes
+        return dict(out)
 
     def table(self) -> dict:
         """{(phase, op): {"calls": n, "bytes": payload bytes}} (plain types: it travels back from ranks)."""

@@ -9,6 +9,7 @@ import torch
 from course_lib import dist as cdist
 from course_lib.data import random_batches
 from course_lib.launch import run, run_nodes
+from course_lib.lessons.l08_three_d.experiments import rank_3d_comm
 from course_lib.lessons.common import max_relative_error, shard_batch, small_config, train_reference
 from course_lib.model import build_model
 from course_lib.parallel.three_d import make_optimizer_3d, parallelize_3d, shard_reference, train_step_3d
@@ -38,16 +39,19 @@ def _rank_3d(dp: int, pp: int, tp: int, data_parallel: str) -> dict:
 
 
 def _rank_both() -> list[dict]:
-    return [_rank_3d(2, 2, 2, "ddp"), _rank_3d(2, 2, 2, "zero1")]
+    return [rank_3d_comm(CFG, 2, 2, 2, BATCH, M, STEPS, dp_kind, lr=LR) for dp_kind in ("ddp", "zero1")]
 
 
-def test_3d_on_8_gloo_ranks_equals_one_process():
+def test_3d_on_8_gloo_ranks_equals_one_process_and_moves_what_the_formulas_say():
+    """Losses and every parameter shard equal one process; the bytes each dimension moved on each rank (TP's
+    all-reduces, PP's messages, DP's gradient all-reduce or ZeRO-1's reduce-scatter + all-gather) equal lessons
+    02-05's formulas exactly."""
     res = run(_rank_both, nprocs=8, backend="gloo", timeout_s=300, stream=False)
     for variant in (0, 1):
         outs = [r[variant] for r in res.returns]
         for out in outs:
-            assert not out["shapes_differ"] and out["n_params"] > 0
             assert out["param_err"] < TOL, (variant, out["coords"], out["param_err"])
+            assert out["counted"] == out["formula"] and min(out["counted"].values()) > 0, (variant, out)
         last = [o for o in outs if o["coords"]["pp"] == 1]          # the last stage holds the losses
         assert len(last) == 4
         for step in range(STEPS):

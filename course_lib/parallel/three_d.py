@@ -59,14 +59,17 @@ def make_optimizer_3d(stage: nn.Module, grid: ProcessGrid, optimizer_cls=torch.o
 
 
 def train_step_3d(stage: Stage, grid: ProcessGrid, x: torch.Tensor, y: torch.Tensor, m: int, optimizer,
-                  schedule: str = "1f1b") -> float | None:
+                  schedule: str = "1f1b", stats: dict | None = None) -> float | None:
     """One training step. x, y: this DP rank's rows (b, T), the same on every rank of its pp and tp groups.
-    Returns the mean loss of those rows on the last stage (None on the other stages)."""
+    Returns the mean loss of those rows on the last stage (None on the other stages). ``stats`` (a dict) receives
+    the schedule's ``bytes_sent`` between stages and its ``timeline`` (`pipeline.run_schedule`)."""
     p, pp_rank = grid.sizes["pp"], grid.coord("pp")
     device = next(stage.parameters()).device
     order = schedule_orders(schedule, p, m)[pp_rank]
     comm = P2P(pp_rank, p, device, group=grid.group("pp")) if p > 1 else None
     out = run_schedule(stage, order, split_microbatches(x, m), split_microbatches(y, m), comm)
+    if stats is not None:
+        stats.update(bytes_sent=out["bytes_sent"], timeline=out["timeline"])
     if isinstance(optimizer, ZeroOptimizer):
         optimizer.step()                 # reduce-scatters the gradients over dp, steps its chunks, all-gathers
     else:

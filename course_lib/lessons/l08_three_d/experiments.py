@@ -1,0 +1,69 @@
+"""Lesson 08's experiments on real ranks: 3D training equal to one process, and its communication per dimension.
+
+`rank_3d_comm` trains the course's 3D composition (`course_lib.parallel.three_d`) for a few steps on a
+`ProcessGrid` and counts what each dimension moved on this rank, next to the formulas of lessons 02-04:
+
+- tp: Megatron's 2 all-reduces forward + 2 backward per block per micro-batch, each of a (b, T, C) activation
+  (`theory.tensor.layer_collectives`);
+- pp: one (b, T, C) activation forward and its gradient backward per micro-batch across each stage boundary
+  (`pipeline.P2P.bytes_sent`);
+- dp: every gradient of the stage's shards all-reduced once per step (`ddp.average_gradients`), or with ZeRO-1
+  reduce-scattered and the parameters all-gathered: the same payload twice over.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from course_lib import dist as cdist
+from course_lib.data import random_batches
+from course_lib.lessons.common import max_relative_error, shard_batch, train_reference
+from course_lib.measure import CollectiveCounter
+from course_lib.model import build_model
+from course_lib.parallel.three_d import make_optimizer_3d, parallelize_3d, shard_reference, train_step_3d
+from course_lib.theory.tensor import layer_collectives
+
+
+def formula_bytes(cfg, grid_sizes: dict, coords: dict, micro_batch: int, m: int, steps: int, stage_numel: int,
+                  data_parallel: str = "ddp") -> dict:
+    """Payload bytes per dimension that one rank calls in ``steps`` steps (fp32), by formula."""
+    dp, tp, pp = grid_sizes["dp"], grid_sizes["tp"], grid_sizes["pp"]
+    blocks = math.ceil(cfg.n_layer / pp)
+    per_layer = sum(v["bytes"] for v in layer_collectives(cfg, micro_batch, cfg.seq_len, tp).values())
+    act = micro_batch * cfg.seq_len * cfg.d_model * 4
+    boundaries = (coords["pp"] < pp - 1) + (coords["pp"] > 0)
+    grads = stage_numel * 4 if dp > 1 else 0
+    return {"tp": steps * m * blocks * per_layer, "pp": steps * m * act * boundaries,
+            "dp": steps * grads * (2 if data_parallel == "zero1" else 1)}
+
+
+def rank_3d_comm(cfg, dp: int, pp: int, tp: int, global_batch: int, m: int, steps: int = 3,
+                 data_parallel: str = "ddp", lr: float = 0.1) -> dict:
+    """Runs on every rank of a dp x pp x tp launch: 3D training, its error against one process, and the bytes
+    each dimension moved on this rank (counted) beside `formula_bytes`."""
+    grid = cdist.ProcessGrid(dp=dp, pp=pp, tp=tp)
+    batches = random_batches(cfg, global_batch, steps=steps, seed=1)
+    ref = train_reference(cfg, batches, "sgd", lr=lr, seed=0)
+    model = build_model(cfg, seed=0)
+    stage = parallelize_3d(model, grid)
+    opt = make_optimizer_3d(stage, grid, torch.optim.SGD, data_parallel, lr=lr)
+    counter, losses, pp_bytes, stats = CollectiveCounter(), [], 0, {}
+    with counter:
+        for x, y in batches:
+            r = grid.coord("dp")
+            losses.append(train_step_3d(stage, grid, shard_batch(x, r, dp), shard_batch(y, r, dp), m, opt,
+                                        stats=stats))
+            pp_bytes += stats["bytes_sent"]
+    by_group = counter.bytes_by_group()
+    counted = {name: by_group.get(tuple(grid.ranks(name)), 0) for name in ("tp", "dp")}
+    counted["pp"] = pp_bytes
+    pairs = shard_reference(model, stage, grid, ref["params"])
+    stage_numel = sum(p.numel() for p in stage.parameters())
+    coords = grid.coords_of(cdist.rank())
+    return {"coords": coords, "losses": losses, "ref_losses": ref["losses"], "counted": counted,
+            "formula": formula_bytes(cfg, grid.sizes, coords, global_batch // dp // m, m, steps, stage_numel,
+                                     data_parallel),
+            "param_err": max_relative_error({n: a for n, (a, _) in pairs.items()},
+                                            {n: b for n, (_, b) in pairs.items()})}
