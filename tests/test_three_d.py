@@ -6,36 +6,16 @@ from __future__ import annotations
 
 import torch
 
-from course_lib import dist as cdist
 from course_lib.data import random_batches
 from course_lib.launch import run, run_nodes
 from course_lib.lessons.l08_three_d.experiments import rank_3d_comm
 from course_lib.lessons.common import max_relative_error, shard_batch, small_config, train_reference
 from course_lib.model import build_model
-from course_lib.parallel.three_d import make_optimizer_3d, parallelize_3d, shard_reference, train_step_3d
 
 # fp32; the only differences from one process are the orders of sums (TP's all-reduce, DP's average, micro-batches).
 TOL = 1e-5
 CFG = small_config(n_layer=4, tie_embeddings=False)
 STEPS, BATCH, M, LR = 3, 8, 2, 0.1
-
-
-def _rank_3d(dp: int, pp: int, tp: int, data_parallel: str) -> dict:
-    grid = cdist.ProcessGrid(dp=dp, pp=pp, tp=tp)
-    batches = random_batches(CFG, BATCH, steps=STEPS, seed=1)
-    ref = train_reference(CFG, batches, "sgd", lr=LR, seed=0)
-    model = build_model(CFG, seed=0)
-    stage = parallelize_3d(model, grid)
-    opt = make_optimizer_3d(stage, grid, torch.optim.SGD, data_parallel, lr=LR)
-    losses = []
-    for x, y in batches:
-        dp_rank = grid.coord("dp")
-        losses.append(train_step_3d(stage, grid, shard_batch(x, dp_rank, dp), shard_batch(y, dp_rank, dp), M, opt))
-    pairs = shard_reference(model, stage, grid, ref["params"])
-    mine, expected = {n: a for n, (a, _) in pairs.items()}, {n: b for n, (_, b) in pairs.items()}
-    return {"losses": losses, "ref_losses": ref["losses"], "coords": grid.coords_of(cdist.rank()),
-            "param_err": max_relative_error(mine, expected),
-            "n_params": len(pairs), "shapes_differ": any(a.shape != b.shape for a, b in pairs.values())}
 
 
 def _rank_both() -> list[dict]:
@@ -62,7 +42,7 @@ def test_3d_on_8_gloo_ranks_equals_one_process_and_moves_what_the_formulas_say()
 
 
 def _rank_ddp() -> dict:
-    return _rank_3d(2, 2, 2, "ddp")
+    return rank_3d_comm(CFG, 2, 2, 2, BATCH, M, STEPS, "ddp", lr=LR)
 
 
 def test_3d_on_two_nodes_of_4_equals_one_launcher_of_8():
