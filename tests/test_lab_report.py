@@ -154,11 +154,30 @@ def test_exit_code_json_and_html_follow_a_failed_comparison_and_a_failed_lesson(
 
 # -------------------------------------------------------------------------------- the real thing
 
+def test_the_self_test_table_and_its_failures_reach_the_report(tmp_path):
+    """`course gpu-check`'s rows (run for real in tests/test_gpu_check.py) in the report: a failed check fails it."""
+    from course_lib.gpu_check import Check
+
+    checks = [Check("ring all-reduce, 2 ranks", "exact sum", "exact sum", True),
+              Check("bf16 matmul vs datasheet", "50-95 % of peak", "not a GPU", None),
+              Check("model state, AdamW", "16 bytes/param", "15.2 bytes/param", False)]
+    report = {"version": lab_report.VERSION, "created": "now", "quick": True, "hardware": "test cpu", "wall_s": 1.0,
+              "inventory": [["cpu", "test"]], "gpu_check": [c.__dict__ for c in checks], "gpu_check_s": 1.0,
+              "lessons": []}
+    report["exit_code"] = lab_report.exit_code(report)
+    assert report["exit_code"] == 1
+    lab_report.write_report(report, tmp_path)
+    page = _page(tmp_path / "index.html")
+    assert "model state, AdamW" in page.cells and "FAIL" in page.cells and "-" in page.cells
+    assert "exit code 1" in lab_report.summary(report)
+
+
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory):
-    """`course lab-report --quick --lessons 00,02`, self-test included, as CI runs it."""
+    """`course lab-report --quick --lessons 00,02` as CI runs it (the self-test is tested on its own: above, and in
+    tests/test_gpu_check.py)."""
     out = tmp_path_factory.mktemp("lab-report")
-    proc = _course("lab-report", "--quick", "--lessons", "00,02", "--out", str(out), timeout=1500)
+    proc = _course("lab-report", "--quick", "--lessons", "00,02", "--no-gpu-check", "--out", str(out), timeout=1500)
     return proc, out
 
 
@@ -166,10 +185,10 @@ def test_quick_report_of_lessons_00_and_02(quick_report):
     proc, out = quick_report
     report = json.loads((out / "report.json").read_text())
     lines = [f"{d['notebook']}: {d['status']} {d['error']}" for d in report["lessons"]]
-    lines += [f"{c['name']}: {c['status']}" for d in report["lessons"] for c in d["comparisons"] if c["status"] != "pass"]
+    lines += [f"{c['name']}: {c['status']}" for d in report["lessons"] for c in d["comparisons"]
+              if c["status"] != "pass"]
     assert proc.returncode == 0, "\n".join(lines) + "\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert report["quick"] and report["exit_code"] == 0 and report["gpu_check"]
-    assert all(c["ok"] is not False for c in report["gpu_check"])
+    assert report["quick"] and report["exit_code"] == 0
     page = _page(out / "index.html")
     for d in report["lessons"]:
         assert d["status"] == "ok" and d["sizes"] and len(d["comparisons"]) >= 2, d["notebook"]

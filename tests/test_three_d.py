@@ -4,6 +4,7 @@ and with ZeRO-1 over the dp group."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from course_lib.data import random_batches
@@ -22,11 +23,16 @@ def _rank_both() -> list[dict]:
     return [rank_3d_comm(CFG, 2, 2, 2, BATCH, M, STEPS, dp_kind, lr=LR) for dp_kind in ("ddp", "zero1")]
 
 
-def test_3d_on_8_gloo_ranks_equals_one_process_and_moves_what_the_formulas_say():
+@pytest.fixture(scope="module")
+def one_launcher():
+    return run(_rank_both, nprocs=8, backend="gloo", timeout_s=300, stream=False)
+
+
+def test_3d_on_8_gloo_ranks_equals_one_process_and_moves_what_the_formulas_say(one_launcher):
     """Losses and every parameter shard equal one process; the bytes each dimension moved on each rank (TP's
     all-reduces, PP's messages, DP's gradient all-reduce or ZeRO-1's reduce-scatter + all-gather) equal lessons
     02-05's formulas exactly."""
-    res = run(_rank_both, nprocs=8, backend="gloo", timeout_s=300, stream=False)
+    res = one_launcher
     for variant in (0, 1):
         outs = [r[variant] for r in res.returns]
         for out in outs:
@@ -45,13 +51,13 @@ def _rank_ddp() -> dict:
     return rank_3d_comm(CFG, 2, 2, 2, BATCH, M, STEPS, "ddp", lr=LR)
 
 
-def test_3d_on_two_nodes_of_4_equals_one_launcher_of_8():
+def test_3d_on_two_nodes_of_4_equals_one_launcher_of_8(one_launcher):
     """The README's multi-node command on one machine: two launchers of 4 ranks meeting in a c10d rendezvous give
     bit for bit what one launcher of 8 gives (the same ranks, groups and order of sums)."""
-    one = run(_rank_ddp, nprocs=8, backend="gloo", timeout_s=300, stream=False)
+    one = [r[0] for r in one_launcher.returns]                      # the "ddp" run
     two = run_nodes(_rank_ddp, 2, 4, backend="gloo", timeout_s=300, stream=False)
-    assert [r["losses"] for r in two.returns] == [r["losses"] for r in one.returns]
-    assert [r["param_err"] for r in two.returns] == [r["param_err"] for r in one.returns]
+    for key in ("losses", "param_err", "counted"):
+        assert [r[key] for r in two.returns] == [r[key] for r in one], key
     assert max(r["param_err"] for r in two.returns) < TOL
 
 
