@@ -121,12 +121,36 @@ def _start(client: NotebookClient) -> None:
                                             store_history=False, timeout=60)
 
 
-def _stop(client: NotebookClient) -> None:
-    procs.kill_tree(_kernel_pid(client), tag=getattr(client, "kernel_tag", None), grace_s=0.0)
+def _stop(client: NotebookClient, sandboxed: bool = False) -> None:
+    """Kill the kernel and all it started. In the sandbox, also every other process of the sandbox's pid namespace
+    but this runner and its init, until none is left: a fork bomb's children can outrun a few sweeps, and the
+    survivors would hold the process cap so that the next kernel cannot start (bench_class found it)."""
+    procs.kill_tree(_kernel_pid(client), tag=getattr(client, "kernel_tag", None), grace_s=0.0, sweeps=20)
+    if sandboxed:
+        _kill_namespace()
     try:
         client._cleanup_kernel()
     except Exception:  # noqa: BLE001 - the kernel is gone either way
         client.km, client.kc = None, None
+
+
+def _kill_namespace(limit_s: float = 30.0) -> None:
+    """SIGKILL every process this runner sees except itself and its ancestors (in the sandbox: its pid namespace,
+    whose init is pid 1), again and again until none is left or ``limit_s`` has passed."""
+    import psutil
+
+    keep = {os.getpid(), 1, *(p.pid for p in psutil.Process().parents())}
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        others = [p for p in psutil.process_iter() if p.pid not in keep]
+        if not others:
+            return
+        for p in others:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(others, timeout=0.2)
 
 
 def peak_rss_mb() -> float:
@@ -180,6 +204,7 @@ def execute(plan: dict) -> dict:
     if caps and caps["via"] == "rlimit":
         sandbox.apply_rlimits(sandbox.Limits.from_dict(caps))
     events = sandbox.limit_events if caps and caps["via"] != "rlimit" else dict
+    sandboxed = caps is not None            # inside bubblewrap's pid namespace: every other process is the kernel's
 
     def save() -> None:
         # Write, then cut: killed in between, the file still starts with a whole record (the grader reads
@@ -240,7 +265,7 @@ def execute(plan: dict) -> dict:
                 retried.add(i)
                 queue.insert(0, i)
             save()
-            _stop(client)
+            _stop(client, sandboxed)
             if deadline - time.monotonic() <= 1:
                 alive = False
                 continue
@@ -255,11 +280,11 @@ def execute(plan: dict) -> dict:
                     client.execute_cell(nb.cells[j], j)
             except Exception as exc:  # noqa: BLE001
                 record["replay_error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-                _stop(client)
+                _stop(client, sandboxed)
                 alive = False
         save()
     if alive:
-        _stop(client)
+        _stop(client, sandboxed)
     record["seconds"] = round(time.monotonic() - t_start, 3)
     record["max_rss_mb"] = peak_rss_mb()
     record["memory_peak_mb"] = sandbox.memory_peak_mb() if caps and caps["via"] != "rlimit" else None
