@@ -80,6 +80,10 @@ class Comparison:
         return (f"{self.name}: {self.measured:.6g}{unit} vs {self.expected_text()}{unit} ({self.against}), "
                 f"{self.tolerance()}: {self.status}{where}")
 
+    def _repr_pretty_(self, printer, cycle) -> None:
+        """Short in a notebook (`compare` printed the full line already): ``<pass: name>``."""
+        printer.text(f"<{self.status}: {self.name}>")
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["expected"] = list(self.expected) if isinstance(self.expected, (tuple, list)) else self.expected

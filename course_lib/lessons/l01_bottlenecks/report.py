@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
@@ -21,6 +19,7 @@ from course_lib.lessons.common import COLORS
 from course_lib.measure import GPU_SPECS, fmt_bytes
 from course_lib.theory import comm, flops, memory
 from course_lib.theory.comm import alpha_beta_time
+from course_lib.theory.planner import Cluster
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,31 +168,13 @@ def estimate_figure(est: dict, title: str = ""):
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Cluster:
-    """Data-parallel cluster: ``nodes x gpus_per_node`` GPUs; inter-node bandwidth per GPU (GB/s, one way).
-
-    ``alpha_us``: latency of one message (an assumption of the order of magnitude: ~10 us in a node,
-    ~20 us across InfiniBand/Ethernet).
-    """
-
-    name: str
-    nodes: int
-    gpus_per_node: int
-    inter_gbs_per_gpu: float | None = None
-    alpha_us: float = 10.0
-
-    @property
-    def n_gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
+# (`theory.planner.Cluster`: latency ~10 us in a node, ~20-30 us across InfiniBand/Ethernet, orders of magnitude)
 CLUSTERS = {c.name: c for c in [
     Cluster("1 GPU", 1, 1),
     Cluster("1 node x 8 GPUs (NVLink / PCIe of the GPU)", 1, 8),
-    Cluster("4 nodes x 8 GPUs, InfiniBand 400 Gb/s per GPU", 4, 8, 50.0, 20.0),
-    Cluster("32 nodes x 8 GPUs, InfiniBand 400 Gb/s per GPU", 32, 8, 50.0, 20.0),
-    Cluster("4 nodes x 8 GPUs, Ethernet 100 Gb/s per node", 4, 8, 12.5 / 8, 30.0),
+    Cluster("4 nodes x 8 GPUs, InfiniBand 400 Gb/s per GPU", 4, 8, 50.0, inter_alpha_us=20.0),
+    Cluster("32 nodes x 8 GPUs, InfiniBand 400 Gb/s per GPU", 32, 8, 50.0, inter_alpha_us=20.0),
+    Cluster("4 nodes x 8 GPUs, Ethernet 100 Gb/s per node", 4, 8, 12.5 / 8, inter_alpha_us=30.0),
 ]}
 
 
@@ -215,7 +196,8 @@ def bottleneck_estimate(preset: str, gpu: str, cluster: str, micro_batch: int = 
     tokens = micro_batch * cfg.seq_len
     compute = flops.flops_per_token(cfg) * tokens / (spec.bf16_tflops * 1e12 * mfu)
     bw = spec.link_gbs if cl.nodes == 1 else min(spec.link_gbs, cl.inter_gbs_per_gpu)
-    communication = comm.collective_time("all_reduce", 2 * P, n, cl.alpha_us * 1e-6, bw * 1e9)
+    alpha_us = cl.alpha_us if cl.nodes == 1 else cl.inter_alpha_us
+    communication = comm.collective_time("all_reduce", 2 * P, n, alpha_us * 1e-6, bw * 1e9)
     mem = memory.mixed_precision_bytes(P)
     mem.pop("total")
     mem["activations"] = memory.activation_bytes(cfg, micro_batch, dtype=torch.bfloat16)["total"]

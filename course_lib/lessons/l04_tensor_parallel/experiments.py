@@ -114,11 +114,13 @@ def _full_grads_dtensor(model, tp: int) -> dict:
     """{name: full gradient} of a DTensor-parallelized plain GPT, qkv rows back in [q; k; v] order."""
     from torch.distributed.tensor import DTensor
 
+    from course_lib.parallel.tensor_dtensor import unpermute_qkv_rows
+
     out = {}
     for name, p in model.named_parameters():
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
-            g = torch.cat([torch.cat(part) for part in zip(*[c.chunk(3, 0) for c in g.chunk(tp, 0)])])
+            g = unpermute_qkv_rows(g, tp)
         out[name] = g.detach()
     return out
 
