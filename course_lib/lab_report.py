@@ -161,6 +161,7 @@ def _sizes(quick: bool) -> str:
 def run_report(keys: list[str], found: dict[str, Path], out: Path, quick: bool = False, gpu_check: bool = True,
                cell_timeout: float = 600, progress: bool = True) -> dict:
     """Run the self-test and the lessons ``keys``; write everything into ``out``; return the report (a dict)."""
+    import torch
     from tqdm.auto import tqdm
 
     from course_lib import gpu_check as node_check
@@ -171,8 +172,6 @@ def run_report(keys: list[str], found: dict[str, Path], out: Path, quick: bool =
     report = {"version": VERSION, "created": datetime.datetime.now().isoformat(timespec="seconds"),
               "quick": quick, "command": " ".join(["course", "lab-report", *sys.argv[2:]]) if sys.argv else "",
               "inventory": [list(row) for row in node_check.inventory()], "gpu_check": [], "lessons": []}
-    import torch
-
     report["hardware"] = measure.hardware_label("nccl" if torch.cuda.is_available() else "gloo")
     if gpu_check:
         print("course gpu-check (the node's self-test; about a minute) ...", flush=True)
