@@ -14,8 +14,14 @@ Found with it (2026-11-24, 2-core AMD EPYC, cgroup v1): at the default cap of 10
 ~800 busy processes alive until its cell times out, the load average reaches ~780 and the machine, the grader
 included, crawls for many minutes: the process cap bounds the count, not the CPU. A CPU quota per submission
 (cgroup cpu.max / cpu.cfs_quota_us) or a much lower process cap is needed before this benchmark can pass.
-Since then the cap is 256 processes and the submission's processes share a CPU quota (all cores by default) as
-one group.
+Since then the cap is 256 processes, the submission's processes share a CPU quota (all cores by default) as one
+group, the runner kills every other process of the sandbox's pid namespace after a cap is hit (survivors of the
+bomb had held the cap, so that the next kernel could not start and the whole submission scored 0), and the
+sandbox's root is read-only (a write into the checkout's folder, which exists in the sandbox as a mount point's
+parent, had succeeded unseen and scored full marks). Run again (2026-11-24, same machine): the CSVs of the two passes
+are identical, every hostile submission loses only its first exercise (14/17; leave-process keeps 17/17: its
+answer is right and its process is killed), nothing escapes or is left; the second, undisturbed pass took 18.2 min
+(36.4 s per submission; the fork bomb's 172 s, the correct ones 32-83 s).
 """
 
 from __future__ import annotations
