@@ -250,6 +250,13 @@ text-align:left;vertical-align:top}th{background:#f0f0f0}td.num{text-align:right
 border:1px solid #ddd}small{color:#666}"""
 
 
+def passed_text(records: list[comparisons.Comparison]) -> str:
+    """``7/9 (2 not run)``: comparisons that passed of those recorded, and how many could not run here."""
+    passed = sum(c.ok is True for c in records)
+    not_run = sum(c.ok is None for c in records)
+    return f"{passed}/{len(records)}" + (f" ({not_run} not run)" if not_run else "")
+
+
 def _e(x) -> str:
     return html.escape(str(x))
 
@@ -284,7 +291,7 @@ def index_html(report: dict) -> str:
              f"<p><b>{_e(verdict)}</b><br>{_e(report['hardware'])}<br><small>created {_e(report['created'])}; "
              f"{'quick sizes (--quick)' if report['quick'] else 'full sizes'}; whole run {report['wall_s']:.0f} s; "
              f"{n_pass}/{n_cmp} comparisons pass</small></p>",
-             "<h2>Hardware</h2>", _table(["", ""], report["inventory"])]
+             "<h2>Hardware</h2>", _table(["", "here"], report["inventory"])]
     if report.get("gpu_check"):
         rows = [[c["name"], c["expected"], c["measured"], {True: "pass", False: "FAIL", None: "-"}[c["ok"]]]
                 for c in report["gpu_check"]]
@@ -293,11 +300,11 @@ def index_html(report: dict) -> str:
                   _table(["check", "expected", "measured", "result"], rows, classes)]
     rows, classes = [], []
     for r in lessons:
-        passed = sum(c.ok is True for c in r.comparisons)
         link = f"<a href='{_e(r.html)}'>{_e(r.notebook)}</a>" if r.html else _e(r.notebook)
         rows.append([link, _e(r.status + (f": {r.error}" if r.error else "")), f"{r.wall_s:.0f} s",
-                     f"{r.cells_run}/{r.code_cells}", _e(r.sizes), f"{passed}/{len(r.comparisons)}"])
-        classes.append(r.status if r.status != "ok" or passed == len(r.comparisons) else "out-of-tolerance")
+                     f"{r.cells_run}/{r.code_cells}", _e(r.sizes), passed_text(r.comparisons)])
+        bad = any(c.ok is False for c in r.comparisons)
+        classes.append(r.status if r.status != "ok" else "out-of-tolerance" if bad else "pass")
     parts += ["<h2>Lessons</h2>", _table(["lesson", "status", "wall time", "cells run", "sizes",
                                           "comparisons passed"], rows, classes, raw=True)]
     rows, classes = [], []
@@ -328,15 +335,14 @@ def write_report(report: dict, out: Path) -> None:
 def summary(report: dict) -> str:
     """The text summary printed at the end: per lesson, comparisons passed / total and wall time."""
     lines = [f"lab report: {report['hardware']}; {'quick' if report['quick'] else 'full'} sizes"]
-    lines.append(f"  {'lesson':<28} {'status':<7} {'wall':>7} {'comparisons':>12}")
+    lines.append(f"  {'lesson':<28} {'status':<7} {'wall':>7}  comparisons passed")
     for d in report["lessons"]:
-        cmp = d["comparisons"]
-        passed = sum(c["status"] == "pass" for c in cmp)
-        lines.append(f"  {d['notebook']:<28} {d['status']:<7} {d['wall_s']:>5.0f} s {passed:>6}/{len(cmp):<5}")
+        records = [comparisons.Comparison.from_dict(c) for c in d["comparisons"]]
+        lines.append(f"  {d['notebook']:<28} {d['status']:<7} {d['wall_s']:>5.0f} s  {passed_text(records)}")
     if report.get("gpu_check"):
         ok = sum(c["ok"] is True for c in report["gpu_check"])
-        lines.append(f"  {'self-test (gpu-check)':<28} {'':<7} {report.get('gpu_check_s', 0):>5.0f} s "
-                     f"{ok:>6}/{sum(c['ok'] is not None for c in report['gpu_check']):<5}")
+        lines.append(f"  {'self-test (gpu-check)':<28} {'':<7} {report.get('gpu_check_s', 0):>5.0f} s  "
+                     f"{ok}/{sum(c['ok'] is not None for c in report['gpu_check'])}")
     lines.append(f"  whole run {report['wall_s']:.0f} s; exit code {report['exit_code']}")
     return "\n".join(lines)
 
