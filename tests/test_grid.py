@@ -42,7 +42,7 @@ def _rank_grid_groups(dp: int, pp: int, tp: int) -> dict:
     grid = cdist.ProcessGrid(dp=dp, pp=pp, tp=tp)
     out = {}
     for name in ("dp", "pp", "tp"):
-        t = torch.tensor([float(cdist.rank())])
+        t = torch.tensor([float(cdist.rank())], device=cdist.device())
         dist.all_reduce(t, group=grid.group(name))
         out[name] = {"ranks": grid.ranks(name), "sum": t.item(), "coord": grid.coord(name),
                      "group_rank": dist.get_rank(grid.group(name))}
