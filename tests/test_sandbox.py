@@ -218,8 +218,8 @@ def test_a_correct_submission_scores_full_marks_in_the_sandbox(graded):
 
 
 @pytest.mark.parametrize("name", ["read_checkout", "read_solutions", "read_classmate", "read_home",
-                                  "write_outside", "write_checkout", "write_solutions", "net_loopback", "net_external", "memory",
-                                  "fork_bomb", "patch_course_lib", "plant_pth", "leave_process"])
+                                  "write_outside", "write_checkout", "write_solutions", "net_loopback", "net_external",
+                                  "memory", "fork_bomb", "patch_course_lib", "plant_pth", "leave_process"])
 def test_an_attack_costs_its_exercise_only(graded, name):
     if name not in graded["results"]:
         pytest.skip("not run: no process cap here (rlimits only, as root)")
@@ -338,6 +338,10 @@ def test_a_venv_and_course_lib_under_tmp_stay_visible(monkeypatch, tmp_path):
     tmpfs = args.index("--tmpfs")
     for folder in ("/tmp/clone/.venv", "/tmp/clone/course_lib", str(tmp_path.resolve())):
         assert args.index(folder) > tmpfs, f"{folder} is mounted before the private /tmp, which hides it"
+    # /tmp/clone itself is a tmpfs of its own, read-only once the mounts in it are made (a write there must fail)
+    assert args[args.index("/tmp/clone") - 1] == "--tmpfs" and args.index("/tmp/clone") < args.index("/tmp/clone/.venv")
+    ro = [args[i + 1] for i, a in enumerate(args) if a == "--remount-ro"]
+    assert ro == ["/", "/tmp/clone"] and args.index("--remount-ro") > args.index(str(tmp_path.resolve()))
 
 
 

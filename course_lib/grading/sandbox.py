@@ -349,7 +349,13 @@ def command(argv: list[str], workdir: Path, hidden: list[Path]) -> list[str]:
         elif os.path.isdir(p):
             args += ["--ro-bind", p, p]
     # The private /tmp first, then what may be read on top of it: a venv or a checkout under /tmp stays visible.
+    # A folder under /tmp that holds one (CI's fresh clone, /tmp/ci/.venv) gets a tmpfs of its own, made read-only
+    # below like the root: the folders bwrap creates in it for the mounts must not take a write either.
+    tmp_roots = sorted({Path("/tmp", p.relative_to("/tmp").parts[0]) for p in readable()
+                        if p.is_relative_to("/tmp") and p != Path("/tmp")})
     args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME]
+    for root in tmp_roots:
+        args += ["--tmpfs", str(root)]
     for p in readable():
         args += ["--ro-bind", str(p), str(p)]
     for dev in sorted(glob.glob("/dev/nvidia*")):  # GPUs, where there are
@@ -357,7 +363,8 @@ def command(argv: list[str], workdir: Path, hidden: list[Path]) -> list[str]:
     workdir = str(Path(workdir).resolve())
     # The sandbox's own root (a tmpfs holding the folders its mount points need, e.g. the checkout's above
     # course_lib) read-only too: a write outside the temp folder fails instead of landing there unseen.
-    return args + ["--bind", workdir, workdir, "--remount-ro", "/", "--chdir", workdir, "--", *argv]
+    read_only = [x for root in ["/", *map(str, tmp_roots)] for x in ("--remount-ro", root)]
+    return args + ["--bind", workdir, workdir, *read_only, "--chdir", workdir, "--", *argv]
 
 
 def environment(env: dict[str, str]) -> dict[str, str]:
