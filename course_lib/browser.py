@@ -29,7 +29,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -96,12 +95,6 @@ def sigterm_when_parent_dies():
     return lambda: prctl(1, signal.SIGTERM)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class LessonResult:
     """What one lesson did in the browser. ``problems`` is empty when the lesson passed."""
@@ -150,7 +143,7 @@ class Lab:
         self.run_dir = Path(run_dir).resolve()
         self.start_timeout_s = start_timeout_s
         self.token = secrets.token_hex(16)
-        self.port = free_port()
+        self.port = procs.free_port()
         self.server_tag = procs.new_tag("lab")          # the server, its kernels, and what they start
         self.browser_tag = procs.new_tag("chromium")
         self.server: subprocess.Popen | None = None

@@ -358,7 +358,7 @@ def _node_commands(target: Sequence[str], nprocs: int, nnodes: int, port: int | 
     if nnodes == 1:
         return [(torchrun_command(target, nprocs, port=port), env)]
     per_node = nprocs // nnodes
-    endpoint = f"127.0.0.1:{port or _free_port()}"
+    endpoint = f"127.0.0.1:{port or procs.free_port()}"
     gpus = [str(g) for g in range(_gpu_count())]
     out = []
     for node in range(nnodes):
@@ -368,12 +368,6 @@ def _node_commands(target: Sequence[str], nprocs: int, nnodes: int, port: int | 
             node_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[node * per_node:(node + 1) * per_node])
         out.append((cmd, node_env))
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gpu_count() -> int:

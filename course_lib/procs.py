@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import uuid
 
 import psutil
@@ -128,3 +129,10 @@ def kill_tree(pid: int | None = None, tag: str | None = None, grace_s: float = 1
 def alive(tag: str) -> list[psutil.Process]:
     """Processes still alive with this tag (for tests: this must be empty after any run)."""
     return tagged_processes(tag)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback address that is free now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

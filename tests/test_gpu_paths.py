@@ -124,3 +124,18 @@ def test_a_warm_rank_on_a_gpu_starts_each_run_with_fresh_memory_stats(fake_gpus,
     assert calls[0] in ("seed", "manual_seed") and calls[1:] == ["reset_peak_memory_stats"]
     base.restore()
     assert calls[2:] == ["synchronize", "empty_cache"]
+
+
+def test_two_nodes_on_one_gpu_machine_get_their_own_gpus(monkeypatch, tmp_path):
+    """`run_nodes` on a machine with 8 GPUs (mocked): each of the 2 launchers of 4 ranks sees its own 4 GPUs, so that
+    LOCAL_RANK 0-3 on both "nodes" do not land on the same devices; all meet at one c10d endpoint on loopback."""
+    from course_lib import launch
+
+    monkeypatch.setattr(launch, "_gpu_count", lambda: 8)
+    nodes = launch._node_commands(["-m", "x"], 8, 2, None, {"A": "1"}, tmp_path)
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in nodes] == ["0,1,2,3", "4,5,6,7"]
+    endpoints = {a for cmd, _ in nodes for a in cmd if a.startswith("--rdzv-endpoint=127.0.0.1:")}
+    assert len(endpoints) == 1 and all("--nnodes=2" in cmd and "--nproc-per-node=4" in cmd for cmd, _ in nodes)
+    monkeypatch.setattr(launch, "_gpu_count", lambda: 4)      # too few GPUs: the ranks run on gloo, env untouched
+    assert all("CUDA_VISIBLE_DEVICES" not in env for _, env in launch._node_commands(["-m", "x"], 8, 2, None, {},
+                                                                                      tmp_path))
