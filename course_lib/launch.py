@@ -176,6 +176,36 @@ def _importable_by_workers(module) -> bool:
     return any(path.startswith(root + os.sep) for root in roots)
 
 
+def _code_with_its_file(rebuild: Callable, args: tuple, filename: str):
+    """Rebuilds a code object shipped by `_dumps` under the file it came from."""
+    return rebuild(*args).replace(co_filename=filename)
+
+
+def _dumps(obj: Any) -> bytes:
+    """cloudpickle.dumps, keeping each function's file name.
+
+    cloudpickle 3.1.3 ships every code object as '<dynamic-code>' (for byte-identical payloads), which would
+    turn a rank's traceback and the NCCL rules' "made at FILE:LINE" into '<dynamic-code>:92'. Here each code
+    object carries its file name and gets it back on the rank; line numbers were always kept."""
+    import io
+    import types
+    from collections import ChainMap
+
+    import cloudpickle
+    from cloudpickle import cloudpickle as impl
+
+    def reduce_code(code: types.CodeType):
+        rebuild, args = impl._code_reduce(code)
+        return _code_with_its_file, (rebuild, args, code.co_filename)
+
+    class Pickler(cloudpickle.Pickler):
+        dispatch_table = ChainMap({types.CodeType: reduce_code}, cloudpickle.Pickler.dispatch_table)
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
 def _pickle_payload(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
     import cloudpickle
 
@@ -185,7 +215,7 @@ def _pickle_payload(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
     if module is not None and not _importable_by_workers(module):
         cloudpickle.register_pickle_by_value(module)  # e.g. a test file or a learner's own .py next to a notebook
     try:
-        return cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
+        return _dumps((fn, tuple(args), dict(kwargs)))
     except Exception as exc:  # noqa: BLE001 - pickling fails in many ways
         raise LaunchError(
             f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: {type(exc).__name__}: "

@@ -76,6 +76,8 @@ def test_failing_rank_named_with_its_own_traceback():
     assert err.rank == 1
     assert "rank 1 of 2 failed with ValueError: boom from the student code" in str(err)
     assert "_fail_on_rank_one" in err.traceback
+    assert 'test_launch.py", line' in err.traceback      # the file, not cloudpickle 3.1.3's '<dynamic-code>'
+    assert 'raise ValueError("boom from the student code")' in err.traceback       # and the line's source
     assert "torch.distributed.elastic" not in str(err).split("--- traceback")[0]
 
 
