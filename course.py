@@ -32,7 +32,7 @@ STAMP = VENV / ".course-installed"
 #     fresh kernel and requires full marks, which checks more than nbval would, and its student copy must
 #     score zero. Running solutions under nbval as well would only repeat that work.
 NBVAL_ARGS = ["--nbval-lax", "--nbval-cell-timeout=600", "--nbval-kernel-name=python3",
-              "--sanitize-with", "tests/nbval_sanitize.cfg", "-p", "no:cacheprovider"]
+              "--sanitize-with", "tests/nbval_sanitize.cfg", "-p", "no:cacheprovider", "--durations=40"]
 TEST_PATHS = ["tests", "notebooks"]
 #  3. tests/test_browser.py runs every lesson in JupyterLab 4 in headless Chromium (Run All; no error, no dialog, every
 #     widget reacts). Where Debian's chromium is installed (CI installs it in .ci/run), the test command installs the
