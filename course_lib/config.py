@@ -274,6 +274,12 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt2-1.5b": _gpt2("gpt2-1.5b", 48, 25, 1600),
     "gpt3-175b": ModelConfig(vocab_size=50257, seq_len=2048, n_layer=96, n_head=96, d_model=12288,
                              name="gpt3-175b"),
+    # BLOOM (BigScience 2022, arXiv 2211.05100, table 3; Megatron-DeepSpeed's tr11-176B-ml.slurm): 70 layers,
+    # hidden 14,336, 112 heads, tied embeddings, vocabulary padded to 250,880 (the tokenizer has 250,680). BLOOM
+    # uses ALiBi, which has no parameters; the learned positions here add 2,048 x 14,336 = 29 M (0.02 %) so that
+    # the course's GPT can build it. Its embedding LayerNorm (28,672 parameters) is left out.
+    "bloom-176b": ModelConfig(vocab_size=250880, seq_len=2048, n_layer=70, n_head=112, d_model=14336,
+                              name="bloom-176b"),
     "llama-7b": _llama("llama-7b", 32, 32, 4096, 11008),
     "llama-70b": _llama("llama-70b", 80, 64, 8192, 28672, n_kv_head=8),
     # Llama 3 (Dubey et al. 2024, table 3): vocabulary 128,256, GQA with 8 key/value heads, context 8,192.

@@ -88,44 +88,29 @@ def barrier() -> None:
 GRID_ORDER = ("pp", "dp", "tp")  # outermost to innermost, as torchtitan's mesh ["pp", "dp", ..., "tp"]
 
 
-class ProcessGrid:
-    """dp x pp x tp ranks as a grid, with one process group per line of each dimension (lesson 08).
+class GridLayout:
+    """Where each rank sits in a dp x pp x tp grid, and which ranks each dimension groups (no process groups: any
+    process can ask, e.g. to draw a grid of 1,024 ranks). `ProcessGrid` adds the groups.
 
     Rank r sits at ``(pp, dp, tp)`` with ``r = (pp * dp_size + dp) * tp_size + tp``: TP innermost, so that its
     ranks are consecutive and stay inside a node (torchrun numbers a node's ranks consecutively; TP's all-reduces
     on every layer need the fastest links), PP outermost (its point-to-point messages are the smallest, so its
     stages may sit on different nodes), DP between. The same order as torchtitan's DeviceMesh and Megatron-LM's
-    default; picotron puts DP outermost. One grid is passed explicitly to the code that needs it: no module-level
-    groups.
-
-    Every rank must build the grid (``dist.new_group`` is collective: every rank creates every group, in the same
-    order). ``grid.group("tp")`` is this rank's TP group, ``grid.ranks("tp")`` its members (global ranks),
-    ``grid.coord("tp")`` this rank's index in it.
+    default; picotron puts DP outermost.
     """
 
-    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, backend: str | None = None):
+    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1):
         sizes = {"dp": dp, "pp": pp, "tp": tp}
         for name, n in sizes.items():
-            if not isinstance(n, int) or n < 1:
-                raise ValueError(f"ProcessGrid: {name}={n!r} must be a positive integer")
-        world = world_size()
-        if dp * pp * tp != world:
-            raise ValueError(f"ProcessGrid: dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp}, but the world has "
-                             f"{world} ranks: choose sizes whose product is {world}")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{type(self).__name__}: {name}={n!r} must be a positive integer")
         self.sizes = sizes
-        self.rank = rank()
-        self.world_size = world
-        self._coords = self.coords_of(self.rank)
-        self._groups: dict[str, object] = {}
-        self._ranks: dict[str, list[int]] = {}
-        for name in GRID_ORDER:
-            for members in self.lines(name):  # every rank creates every group, in the same order
-                group = dist.new_group(members, backend=backend) if is_initialized() and world > 1 else None
-                if self.rank in members:
-                    self._groups[name], self._ranks[name] = group, members
+        self.world_size = dp * pp * tp
 
     def coords_of(self, r: int) -> dict[str, int]:
         """Grid coordinates of global rank ``r``: ``{"pp": ..., "dp": ..., "tp": ...}``."""
+        if not 0 <= r < self.world_size:
+            raise ValueError(f"rank {r} is not in a grid of {self.world_size} ranks")
         tp, rest = r % self.sizes["tp"], r // self.sizes["tp"]
         return {"pp": rest // self.sizes["dp"], "dp": rest % self.sizes["dp"], "tp": tp}
 
@@ -136,7 +121,7 @@ class ProcessGrid:
     def lines(self, name: str) -> list[list[int]]:
         """Every group of dimension ``name``: the ranks that differ only in that coordinate, ordered by it."""
         if name not in self.sizes:
-            raise ValueError(f"ProcessGrid: no dimension {name!r} (there are {', '.join(GRID_ORDER)})")
+            raise ValueError(f"{type(self).__name__}: no dimension {name!r} (there are {', '.join(GRID_ORDER)})")
         others = [d for d in GRID_ORDER if d != name]
         out = []
         for a in range(self.sizes[others[0]]):
@@ -144,6 +129,36 @@ class ProcessGrid:
                 fixed = {others[0]: a, others[1]: b}
                 out.append([self.rank_at(**fixed, **{name: i}) for i in range(self.sizes[name])])
         return out
+
+    def members(self, r: int, name: str) -> list[int]:
+        """The ranks of ``r``'s group along ``name``."""
+        return next(line for line in self.lines(name) if r in line)
+
+
+class ProcessGrid(GridLayout):
+    """A `GridLayout` of this job's ranks, with one process group per line of each dimension (lesson 08).
+
+    Every rank must build the grid (``dist.new_group`` is collective: every rank creates every group, in the same
+    order). ``grid.group("tp")`` is this rank's TP group, ``grid.ranks("tp")`` its members (global ranks),
+    ``grid.coord("tp")`` this rank's index in it. One grid is passed explicitly to the code that needs it: no
+    module-level groups.
+    """
+
+    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, backend: str | None = None):
+        super().__init__(dp, pp, tp)
+        world = world_size()
+        if self.world_size != world:
+            raise ValueError(f"ProcessGrid: dp x pp x tp = {dp} x {pp} x {tp} = {self.world_size}, but the world "
+                             f"has {world} ranks: choose sizes whose product is {world}")
+        self.rank = rank()
+        self._coords = self.coords_of(self.rank)
+        self._groups: dict[str, object] = {}
+        self._ranks: dict[str, list[int]] = {}
+        for name in GRID_ORDER:
+            for members in self.lines(name):  # every rank creates every group, in the same order
+                group = dist.new_group(members, backend=backend) if is_initialized() and world > 1 else None
+                if self.rank in members:
+                    self._groups[name], self._ranks[name] = group, members
 
     def group(self, name: str):
         """This rank's process group along ``name`` (None in a single process)."""

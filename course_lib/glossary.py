@@ -128,6 +128,15 @@ TERMS: dict[str, str] = {
     "FlashAttention": "FlashAttention",
     "fused kernel": "融合算子",
     "memory budget": "显存预算",
+    # 3D parallelism (lesson 08)
+    "3D parallelism": "3D 并行",
+    "process grid": "进程网格",
+    "device mesh": "设备网格",
+    "model states": "模型状态",
+    "node": "节点",
+    "fake process group": "伪进程组",
+    "parallelism layout": "并行布局",
+    "strategy planner": "并行策略规划器",
 }
 
 _ROW = re.compile(r"^\|\s*(?P<en>[^|]+?)\s*\|\s*(?P<zh>[^|]*?)\s*\|\s*$")

@@ -16,6 +16,7 @@ import torch
 
 from course_lib import theory
 from course_lib.config import get_preset
+from course_lib.dist import GridLayout
 from course_lib.grading.check import CheckFailed, answer_digest, check_answer
 from course_lib.lessons.quizzes import QUIZZES, quiz, score
 
@@ -36,6 +37,8 @@ EXPECTED = {
     "06": {"q1": torch.finfo(torch.float16).max, "q2": 2.0 ** 16 * 0.5 ** 3 * 2, "q3": 2 + 2 + 4 + 4 + 4},
     "07": {"q1": 32 * 8192 ** 2 * 2 / 1e9, "q2": theory.savers.best_checkpoint_every(64, 16.0, 1.0)["every"],
            "q3": theory.savers.recompute_flops_ratio(1.0)},
+    "08": {"q1": max(GridLayout(dp=4, pp=2, tp=8).members(21, "pp")), "q2": theory.pipeline.bubble_fraction(8, 32),
+           "q3": (2 + 2 + 12 / 12) * 175e9 / (8 * 16) / 1e9},
 }
 
 

@@ -5,13 +5,10 @@ and with ZeRO-1 over the dp group."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from course_lib.data import random_batches
 from course_lib.launch import run, run_nodes
-from course_lib.lessons.l08_three_d.experiments import rank_3d_comm
-from course_lib.lessons.common import max_relative_error, shard_batch, small_config, train_reference
-from course_lib.model import build_model
+from course_lib.lessons.l08_three_d.experiments import rank_3d_comm, rank_torch_3d
+from course_lib.lessons.common import small_config
 
 # fp32; the only differences from one process are the orders of sums (TP's all-reduce, DP's average, micro-batches).
 TOL = 1e-5
@@ -62,26 +59,7 @@ def test_3d_on_two_nodes_of_4_equals_one_launcher_of_8(one_launcher):
 
 
 def _rank_torch_3d(dp: int, pp: int, tp: int) -> dict:
-    """The same training with PyTorch's pieces: a 3-D DeviceMesh, DTensor TP, FSDP2 over dp, pipelining's 1F1B."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from course_lib.parallel.three_d_torch import (full_parameters_3d, parallelize_3d_torch, pipeline_schedule_3d,
-                                                   train_step_3d_torch)
-
-    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    batches = random_batches(CFG, BATCH, steps=STEPS, seed=1)
-    ref = train_reference(CFG, batches, "sgd", lr=LR, seed=0)
-    model = build_model(CFG, seed=0)
-    stage = parallelize_3d_torch(model, mesh)
-    schedule = pipeline_schedule_3d(stage, mesh, M)
-    opt = torch.optim.SGD(stage.parameters(), lr=LR)
-    dp_rank, losses = mesh["dp"].get_local_rank(), []
-    for x, y in batches:
-        losses.append(train_step_3d_torch(schedule, mesh, shard_batch(x, dp_rank, dp), shard_batch(y, dp_rank, dp),
-                                          opt))
-    full = full_parameters_3d(model, stage, mesh)
-    return {"losses": losses, "ref_losses": ref["losses"], "pp": mesh["pp"].get_local_rank(),
-            "param_err": max_relative_error(full, {n: ref["params"][n] for n in full}), "n_params": len(full)}
+    return rank_torch_3d(CFG, dp, pp, tp, BATCH, M, STEPS, lr=LR)
 
 
 def test_3d_with_pytorch_pieces_equals_one_process():

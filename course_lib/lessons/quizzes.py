@@ -57,6 +57,11 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
         "q2": ("85d5110fc46546c56501ca2b", None, "section 2.2: the sqrt rule and the integer next to it"),
         "q3": ("30ec11f1bc48e6a914a11718", 0.01, "section 2.1: forward 1 unit, backward 2, recomputation"),
     },
+    "08": {
+        "q1": ("08c5ef557325204fad5cbb35", None, "section 1: a PP group keeps dp and tp, and takes every pp"),
+        "q2": ("0739b6e4e9630569afaa6cac", 0.01, "lesson 03, section 5: the bubble of 1F1B is GPipe's"),
+        "q3": ("358257b6ae408c0487d73b1a", 0.02, "section 3: divide by tp x pp, then ZeRO-1's row of lesson 05"),
+    },
 }
 
 

@@ -9,11 +9,13 @@ stays inside a node when ``stride x size <= gpus_per_node``. For each layout, by
 Adam, Megatron-style TP with sequence parallelism, 1F1B pipeline):
 
 - **memory per GPU**: model states of the largest stage's TP shard, sharded over dp as ZeRO says
-  (`memory.zero_model_state_bytes`); activations as Korthikanti et al. (2022) count them per layer in 16-bit,
-  ``sbh (34/t + 5as/(ht))`` with TP + SP (``sbh 34/t`` with selective recomputation, ``2sbh/t`` per layer held with
-  full recomputation plus one layer's activations while it is recomputed), for the ``min(pp, m)`` micro-batches
-  that 1F1B's first stage holds; the last stage's logits (bf16 + their fp32 log-softmax, ``b s V / t``); a reserve
-  for the CUDA context, NCCL's buffers and fragmentation (``reserve_gb``, an assumption).
+  (`memory.zero_model_state_bytes`); activations per layer in 16-bit counted as Korthikanti et al. (2022) do, for
+  what today's blocks keep (`layer_activation_bytes`: fused attention, GELU or SwiGLU, GQA, LayerNorm or RMSNorm;
+  GPT-3 175B at t = 8: ``4.0 sbh`` where the paper's ``sbh (34/t + 5as/(ht))`` gives ``14.25 sbh``), ``2sbh/t`` per
+  layer held with full recomputation plus one layer's activations while it is recomputed, for the ``min(pp, m)``
+  micro-batches that 1F1B's first stage holds; the last stage's logits (bf16 + their fp32 log-softmax,
+  ``b s V / t``); with ZeRO-3, two layers' gathered 16-bit parameters (the one in use, the one prefetched); a
+  reserve for the CUDA context, NCCL's buffers and fragmentation (``reserve_gb``, an assumption).
 - **step time**: compute = model FLOPs x recomputation factor / (GPUs x peak x MFU) (``mfu`` assumed); the 1F1B
   bubble ``(pp - 1) / m`` of it; TP's 4 all-reduce-sized collectives per layer per micro-batch of ``b s h`` bf16 (6
   with full recomputation); PP's two activation messages per micro-batch; DP's gradient all-reduce (ZeRO-1/2: the
@@ -36,8 +38,8 @@ from course_lib.config import ModelConfig
 from course_lib.theory import comm, flops
 from course_lib.theory.memory import zero_model_state_bytes
 
-__all__ = ["Cluster", "Layout", "Estimate", "estimate", "plan", "layer_params", "stage_params",
-           "activation_bytes_per_gpu", "CKPT"]
+__all__ = ["Cluster", "Layout", "Estimate", "estimate", "plan", "link", "layer_params", "stage_params",
+           "layer_activation_bytes", "activation_bytes_per_gpu", "CKPT"]
 
 CKPT = ("none", "selective", "full")
 GB = 1e9
@@ -113,16 +115,66 @@ def stage_params(cfg: ModelConfig, tp: int, pp: int) -> int:
 
 # ---------------------------------------------------------------------------------------------- activations
 
-def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_len: int | None = None) -> int:
-    """Korthikanti et al. (2022) activations of the first pipeline stage (it holds the most micro-batches)."""
+def layer_activation_bytes(cfg: ModelConfig, tp: int, seq_len: int | None = None, micro_batch: int = 1) -> dict:
+    """Bytes that autograd keeps for backward of one transformer block on one GPU, by what keeps them (lesson 08).
+
+    The base is Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", arXiv
+    2205.05198, section 4): per layer ``sbh (34/t + 5as/(ht))`` bytes in 16-bit with TP + SP, for s tokens, micro-batch
+    b, width h, a heads, TP degree t. Their block is GPT-3's as Megatron-LM ran it in 2022; today's blocks (the
+    course's GPT, transformers' Llama; bf16, TP + SP) keep something else:
+
+    - attention by a fused kernel (SDPA: FlashAttention on GPUs): no ``a s x s`` scores, softmax or dropout mask
+      (Korthikanti's ``5as/h``); it keeps q, k, v (k and v of ``n_kv_head`` heads with GQA), its output (which is also
+      the output projection's input) and an fp32 log-sum-exp per head and token: ``(4 + 4 n_kv/a) sbh/t + 4asb/t``;
+    - the MLP keeps the input and the output of its activation function, ``2 x 2 s b d_ff / t`` with GELU; SwiGLU
+      keeps four ``(s, b, d_ff/t)`` tensors (gate output, SiLU output, up output, their product), ``8 s b d_ff / t``;
+    - the norms keep their input sharded along the sequence: LayerNorm its bf16 input, ``2sbh/t`` each; transformers'
+      ``LlamaRMSNorm`` computes in fp32 and keeps an fp32 copy of its input and its bf16 output, ``6sbh/t`` each;
+    - the norm's output, all-gathered along the sequence before the first matmuls of attention (q, k, v) and of the
+      MLP, is kept as its shard and gathered again in backward (Korthikanti et al. 4.2.2, Megatron-LM,
+      `parallel.sequence.SequenceParallelLinear`): ``2 x 2sbh/t``. PyTorch's DTensor SP keeps the gathered
+      ``(b, s, h)`` copy instead, ``2 x 2sbh``: ``4sbh (1 - 1/t)`` more per layer (3.5 sbh at t = 8) unless those
+      layers are checkpointed;
+    - no dropout in the presets (large-model pretraining runs without); with ``cfg.dropout > 0`` Korthikanti's two
+      residual-dropout masks, ``2sbh/t`` (1 byte per element; not measured here).
+
+    GPT-3 175B at t = 8: ``32 sbh/t + 4asb/t`` = 4.00 sbh, against Korthikanti's 14.25 sbh (34 sbh/t without the
+    scores: their two dropout masks). Left out (< 0.1 %): a norm's mean and 1/std per token, RoPE's cos and sin
+    (shared by all layers). Checked against PyTorch's memory tracker on a fake process group in
+    `lessons.l08_three_d.simulate.fake_group_activations`.
+    """
     s = cfg.seq_len if seq_len is None else seq_len
-    b, h, a, t = layout.micro_batch, cfg.d_model, cfg.n_head, layout.tp
+    b, h, a, t, f = micro_batch, cfg.d_model, cfg.n_head, tp, cfg.d_ff
+    sbh = s * b * h
+    norm = 6 if cfg.norm == "rmsnorm" else 2                            # bytes kept per element of a norm's input
+    return dict(
+        norms=2 * norm * sbh / t,                                       # (b, s/t, h) each
+        gathered=2 * 2 * sbh / t,                                       # (b, s/t, h) each, gathered in backward
+        attention=(4 + 4 * cfg.n_kv_head / a) * sbh / t,                # q, output (b, a/t, s, h/a); k, v: n_kv heads
+        logsumexp=4 * a * s * b / t,                                    # fp32 (b, a/t, s)
+        mlp=(8 if cfg.mlp == "swiglu" else 4) * s * b * f / t,          # (b, s, d_ff/t) each
+        dropout=2 * sbh / t if cfg.dropout else 0,                      # bool (b, s/t, h) masks
+    )
+
+
+def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_len: int | None = None) -> int:
+    """Activations of the first pipeline stage (it holds the most micro-batches), bytes per GPU.
+
+    Per layer `layer_activation_bytes` (Korthikanti et al. 2022's count redone for fused attention, SwiGLU, GQA and
+    RMSNorm). ``ckpt="selective"`` recomputes the attention core as Korthikanti et al. do: with a fused kernel that
+    frees only its log-sum-exp (the kernel already recomputes the scores in backward).
+    ``ckpt="full"`` keeps each layer's input, ``2sbh/t``, plus one layer's activations while it is recomputed. 1F1B's
+    first stage holds ``min(pp, m)`` micro-batches of ceil(L/pp) layers.
+    """
+    s = cfg.seq_len if seq_len is None else seq_len
+    b, h, t = layout.micro_batch, cfg.d_model, layout.tp
     layers = math.ceil(cfg.n_layer / layout.pp)
-    full_layer = s * b * h * (34 / t + 5 * a * s / (h * t))            # TP + SP, bytes
+    parts = layer_activation_bytes(cfg, t, s, b)
+    full_layer = sum(parts.values())
     if layout.ckpt == "none":
         per_mb = layers * full_layer
     elif layout.ckpt == "selective":
-        per_mb = layers * s * b * h * 34 / t
+        per_mb = layers * (full_layer - parts["logsumexp"])
     else:                                                               # full: each layer's input, 2sbh/t
         per_mb = layers * 2 * s * b * h / t
     in_flight = min(layout.pp, accum) if layout.pp > 1 else 1
@@ -132,7 +184,7 @@ def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_l
 
 # ------------------------------------------------------------------------------------------------- estimate
 
-def _link(cluster: Cluster, gpu, stride: int, size: int) -> tuple[float, float]:
+def link(cluster: Cluster, gpu, stride: int, size: int) -> tuple[float, float]:
     """(alpha in s, bandwidth in bytes/s) of a group of ``size`` ranks ``stride`` apart."""
     if size == 1 or stride * size <= cluster.gpus_per_node or cluster.inter_gbs_per_gpu is None:
         return cluster.alpha_us * 1e-6, gpu.link_gbs * 1e9
@@ -163,7 +215,11 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     states = zero_model_state_bytes(P_gpu, dp, layout.zero)["total"]
     acts = activation_bytes_per_gpu(cfg, layout, accum, s)
     logits = b * s * cfg.vocab_size / tp * (2 + 4)
-    memory = dict(model_states=states, activations=acts, logits=logits, reserve=reserve_gb * GB)
+    # ZeRO-3 / FSDP gathers each layer's 16-bit parameters before using it, and prefetches the next: two layers
+    # whole (of the TP shard) beside the shards, in forward and again (with their gradients' buffer) in backward
+    gathered = 2 * 2 * layer_params(cfg) / tp if layout.zero == 3 else 0
+    memory = dict(model_states=states, activations=acts, logits=logits, zero3_buffers=gathered,
+                  reserve=reserve_gb * GB)
     memory["total"] = sum(memory.values())
     if memory["total"] > gpu.mem_gb * GB:
         why.append(f"needs {memory['total'] / GB:.1f} GB per GPU > {gpu.mem_gb:g} GB")
@@ -176,12 +232,12 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     bubble = compute * (pp - 1) / accum
     act_msg = b * s * cfg.d_model * 2                                   # bf16 (b, s, h)
     layers = math.ceil(cfg.n_layer / pp)
-    alpha, bw = _link(cluster, gpu, 1, tp)
+    alpha, bw = link(cluster, gpu, 1, tp)
     per_ar = comm.collective_time("all_reduce", act_msg, tp, alpha, bw)
     tp_time = layers * accum * (6 if layout.ckpt == "full" else 4) * per_ar
-    alpha, bw = _link(cluster, gpu, tp * dp, pp)
+    alpha, bw = link(cluster, gpu, tp * dp, pp)
     pp_time = accum * 2 * (alpha + act_msg / tp / bw) if pp > 1 else 0.0
-    alpha, bw = _link(cluster, gpu, tp, dp)
+    alpha, bw = link(cluster, gpu, tp, dp)
     grads = 2 * P_gpu
     if layout.zero == 3:
         dp_time = accum * (2 * comm.collective_time("all_gather", grads, dp, alpha, bw)
@@ -196,21 +252,22 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     return est
 
 
-def _powers_of_two(limit: int) -> list[int]:
-    return [2 ** k for k in range(int(math.log2(limit)) + 1)] if limit >= 1 else []
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def plan(cfg: ModelConfig, gpu, cluster: Cluster, global_batch: int, seq_len: int | None = None,
          mfu: float = 0.4, micro_batches=(1, 2, 4, 8), zeros=(0, 1, 2, 3), ckpts=CKPT,
          reserve_gb: float = 2.0) -> list[Estimate]:
-    """Every layout (tp and pp powers of two, tp up to a node; dp the rest), feasible ones first by step time,
-    then the infeasible ones with their reasons."""
+    """Every layout (tp a divisor of a node's GPUs, pp any divisor of the rest, dp what remains), feasible ones
+    first by step time, then the infeasible ones with their reasons.
+
+    pp is not only a power of two: BLOOM ran pp=12 on 384 GPUs (`lessons.l08_three_d.published`), and on
+    3 x 2^k GPUs with a batch of 2^k sequences every power-of-two pp leaves a dp that does not divide the batch."""
     n = cluster.n_gpus
     rows = []
-    for tp in _powers_of_two(min(cluster.gpus_per_node, n)):
-        for pp in _powers_of_two(n // tp):
-            if n % (tp * pp):
-                continue
+    for tp in [d for d in _divisors(min(cluster.gpus_per_node, n)) if n % d == 0]:
+        for pp in _divisors(n // tp):
             dp = n // (tp * pp)
             for zero in zeros:
                 for ckpt in ckpts:

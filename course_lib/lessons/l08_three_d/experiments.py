@@ -67,3 +67,42 @@ def rank_3d_comm(cfg, dp: int, pp: int, tp: int, global_batch: int, m: int, step
                                      data_parallel),
             "param_err": max_relative_error({n: a for n, (a, _) in pairs.items()},
                                             {n: b for n, (_, b) in pairs.items()})}
+
+
+def rank_grid(dp: int, pp: int, tp: int) -> dict:
+    """Runs on every rank: builds the `ProcessGrid` and checks each of its groups for real, by an all-reduce of the
+    rank ids over the group (the sum must be that of the group's members). Returns the coordinates, the members of
+    each group and the sums."""
+    grid = cdist.ProcessGrid(dp=dp, pp=pp, tp=tp)
+    out = {"coords": grid.coords_of(cdist.rank()), "groups": {}, "sums": {}}
+    for name in ("tp", "pp", "dp"):
+        t = torch.tensor([float(cdist.rank())], device=cdist.device())
+        torch.distributed.all_reduce(t, group=grid.group(name))
+        out["groups"][name], out["sums"][name] = grid.ranks(name), int(t.item())
+    return out
+
+
+def rank_torch_3d(cfg, dp: int, pp: int, tp: int, global_batch: int, m: int, steps: int = 3,
+                  lr: float = 0.1) -> dict:
+    """The same training with PyTorch's pieces, as torchtitan composes them (`parallel.three_d_torch`): a 3-D
+    DeviceMesh, DTensor TP, FSDP2 over dp, `torch.distributed.pipelining`'s 1F1B. Its losses and full parameters
+    against one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from course_lib.parallel.three_d_torch import (full_parameters_3d, parallelize_3d_torch, pipeline_schedule_3d,
+                                                   train_step_3d_torch)
+
+    mesh = init_device_mesh(cdist.device().type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    batches = random_batches(cfg, global_batch, steps=steps, seed=1)
+    ref = train_reference(cfg, batches, "sgd", lr=lr, seed=0)
+    model = build_model(cfg, seed=0)
+    stage = parallelize_3d_torch(model, mesh)
+    schedule = pipeline_schedule_3d(stage, mesh, m)
+    opt = torch.optim.SGD(stage.parameters(), lr=lr)
+    dp_rank, losses = mesh["dp"].get_local_rank(), []
+    for x, y in batches:
+        losses.append(train_step_3d_torch(schedule, mesh, shard_batch(x, dp_rank, dp), shard_batch(y, dp_rank, dp),
+                                          opt))
+    full = full_parameters_3d(model, stage, mesh)
+    return {"losses": losses, "ref_losses": ref["losses"], "pp": mesh["pp"].get_local_rank(),
+            "param_err": max_relative_error(full, {n: ref["params"][n] for n in full}), "n_params": len(full)}

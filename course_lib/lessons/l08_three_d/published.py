@@ -1,0 +1,368 @@
+"""The planner against published training runs, and the seed's two tables re-derived from it (lesson 08).
+
+- :data:`PUBLISHED`: layouts of real runs as data (Megatron-LM's GPT-3 175B, BLOOM-176B, Llama 3 405B at 8K and 16K
+  GPUs), each with its cluster, batch, reported throughput and source. :func:`check_published` plans the paper's
+  cluster and batch with `theory.planner.plan` and returns whether the published layout fits, its rank, the top 5
+  and the planner's MFU beside the reported one; ``why_not`` says what the planner leaves out for that run.
+- :func:`method_by_size`: which strategy families fit 1B-1T GPT models on 80 GB GPUs (seed: data parallel < 10B,
+  ZeRO 10-100B, tensor and pipeline parallel > 100B, 3D > 1T).
+- :func:`efficiency_estimates`: each seed method's scaling efficiency on a stated cluster, by the planner's
+  formulas, beside the seed's range (seed: DP 85-95 %, tensor 75-85 %, PP 80-90 %, ZeRO-2 80-90 %, ZeRO-3 70-80 %,
+  FSDP 85-95 %).
+
+    for c in check_all():
+        print(c.run.name, c.feasible, c.shape_rank, f"{c.planner_mfu:.0%} vs {c.reported_mfu:.0%}")
+
+The planner overlaps no communication with compute and knows only the plain 1F1B schedule: its MFU is a lower
+bound, and a published layout that relies on what it leaves out ranks lower than the paper's result suggests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from course_lib.config import ModelConfig, get_preset
+from course_lib.measure import GPU_SPECS
+from course_lib.theory import flops
+from course_lib.theory.planner import Cluster, Estimate, Layout, estimate, plan
+
+__all__ = ["Source", "PublishedRun", "PUBLISHED", "Check", "check_published", "check_all", "published_table",
+           "LEFT_OUT", "SIZES", "family", "method_by_size", "method_table", "SEED_EFFICIENCY",
+           "efficiency_estimates", "efficiency_table"]
+
+# What the planner leaves out (its module docstring); every why_not names at least one of them.
+LEFT_OUT = ("interleaved", "overlap", "selective recomputation", "sequence parallelism", "kernel efficiency",
+            "FSDP with a pipeline", "activation count")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    title: str
+    authors: str
+    year: int
+    arxiv: str
+    where: str                          # table / section the numbers come from
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedRun:
+    """One published run. ``zero``, ``ckpt``, ``micro_batch``: None where the source does not state them (the
+    check then takes the planner's best feasible choice for the published dp x tp x pp). ``reported_tflops``: per
+    GPU, as the source counts them; ``counts_recompute``: True when that count includes the recomputed forward
+    (Megatron's "hardware FLOPs"), so that model FLOPs are 3/4 of it."""
+
+    name: str
+    preset: str
+    gpu: str                            # key of measure.GPU_SPECS
+    nodes: int
+    gpus_per_node: int
+    inter_gbs_per_gpu: float            # GB/s per GPU between nodes, one way
+    network: str
+    global_batch: int                   # sequences
+    seq_len: int
+    dp: int
+    tp: int
+    pp: int
+    zero: int | None
+    ckpt: str | None
+    micro_batch: int | None
+    schedule: str
+    reported_tflops: float
+    counts_recompute: bool
+    stated_mfu: float                   # fraction of peak as the source states it
+    source: Source
+    note: str                           # what was checked where, what was not
+    why_not: str                        # what the planner leaves out that this run relies on
+
+    @property
+    def cluster(self) -> Cluster:
+        return Cluster(f"{self.nodes} x {self.gpus_per_node} {self.gpu}, {self.network}", self.nodes,
+                       self.gpus_per_node, self.inter_gbs_per_gpu)
+
+    @property
+    def reported_mfu(self) -> float:
+        """Model FLOPs utilisation of the reported throughput (recomputation taken out where it was counted)."""
+        return self.reported_tflops * (0.75 if self.counts_recompute else 1.0) / GPU_SPECS[self.gpu].bf16_tflops
+
+
+NARAYANAN = Source("Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+                   "D. Narayanan, M. Shoeybi, J. Casper, P. LeGresley, M. Patwary, V. Korthikanti, D. Vainbrand, "
+                   "P. Kashinkunti, J. Bernauer, B. Catanzaro, A. Phanishayee, M. Zaharia", 2021, "2104.04473",
+                   "table 1 (175B row), section 5")
+BLOOM = Source("BLOOM: A 176B-Parameter Open-Access Multilingual Language Model", "BigScience Workshop (T. Le Scao, "
+               "A. Fan, C. Akiki, et al.)", 2022, "2211.05100", "section 3.4 (engineering)")
+LLAMA3 = Source("The Llama 3 Herd of Models", "Llama Team, AI @ Meta (A. Grattafiori, A. Dubey, et al.)", 2024,
+                "2407.21783", "table 4 and section 3.3.2")
+
+_LLAMA3_WHY = (
+    "The planner has no interleaved 1F1B: with {m} micro-batches per DP rank and pp=16 its bubble (pp-1)/m is "
+    "{bubble:.0%} of the compute, where Llama 3's interleaved schedule (several stages per GPU) divides it by the "
+    "stages per GPU. It has no FSDP with a pipeline (it refuses ZeRO-2/3 with pp > 1, as Megatron and DeepSpeed "
+    "do; ZeRO-1 stands in), and no overlap of the DP reduce-scatter with compute. Its activation count (Megatron's "
+    "TP + SP for Llama's blocks: SwiGLU, GQA, fused attention, fp32 RMSNorm; checked against PyTorch's memory "
+    "tracker) keeps about 99 GB per GPU for 16 micro-batches in flight without recomputation: only full "
+    "recomputation fits this shape (Meta's paper does not say how it fitted). Its compute runs at the assumed 40 % "
+    "kernel efficiency, below the 41-43 % that Meta measured end to end. It ranks FSDP (ZeRO-3) without a pipeline "
+    "first, whose parameter all-gathers it does not overlap either.")
+
+PUBLISHED: tuple[PublishedRun, ...] = (
+    PublishedRun(
+        "Megatron-LM GPT-3 175B", "gpt3-175b", "A100", 192, 8, 25.0, "8 x 200 Gb/s HDR InfiniBand per node",
+        global_batch=1536, seq_len=2048, dp=12, tp=8, pp=16, zero=0, ckpt="full", micro_batch=1,
+        schedule="interleaved 1F1B", reported_tflops=138.0, counts_recompute=True, stated_mfu=0.44,
+        source=NARAYANAN,
+        note="t=8, p=16, 1,536 GPUs, batch 1,536, 138 TFLOP/s (44 %) and the DGX A100 cluster: from the paper, not "
+             "re-checked here; tp, pp, micro-batch 1 and global batch 1,536 agree with Megatron-LM's "
+             "examples/gpt3/train_gpt3_175b_distributed.sh. The paper's FLOP count includes the recomputed forward "
+             "(96 B s l h^2 ...). ZeRO-0: its data parallelism all-reduces gradients (our reading; Megatron-LM's "
+             "distributed optimizer came later). Vocabulary 51,200 in the paper, 50,257 in the preset.",
+        why_not="The planner ranks this dp x tp x pp first, but the paper's full recomputation far lower: the planner "
+                "has sequence parallelism and selective recomputation (Korthikanti et al. 2022), which Megatron-LM "
+                "did not have in 2021. Without sequence parallelism a layer keeps sbh(10 + 24/t + 5as/(ht)) = 23 sbh "
+                "= 0.58 GB per micro-batch: x 6 layers x 16 micro-batches in flight = 56 GB, plus 23 GB of ZeRO-0 "
+                "model states and the reserve, about 81 GB > 80 GB, so full recomputation was needed then. The "
+                "interleaved schedule is not modelled either (its bubble is (p-1)/(v m), the planner's (p-1)/m)."),
+    PublishedRun(
+        "BLOOM-176B", "bloom-176b", "A100", 48, 8, 6.25, "4 x 100 Gb/s Omni-Path per node",
+        global_batch=2048, seq_len=2048, dp=8, tp=4, pp=12, zero=1, ckpt="full", micro_batch=2,
+        schedule="1F1B (DeepSpeed pipeline engine)", reported_tflops=150.0, counts_recompute=True, stated_mfu=0.48,
+        source=BLOOM,
+        note="Re-checked against bigscience-workshop/bigscience train/tr11-176B-ml (README.md and "
+             "tr11-176B-ml.slurm): TP 4, PP 12, DP 8, micro-batch 2, global batch 2,048, seq 2,048, "
+             "--checkpoint-activations, bf16 with DeepSpeed's BF16_Optimizer (its own ZeRO stage 1), 48 nodes of "
+             "8 A100 80GB, 4 Omni-Path links per node; the README counts TFLOP/s with the recomputed forward "
+             "(4 x 2 coefficient). 'About 150 TFLOP/s' is BigScience's model page; the paper's own figure (section "
+             "3.4) and the 100 Gb/s per Omni-Path link are not re-checked here.",
+        why_not="The dp x tp x pp ranks in the planner's top 5 but the exact row (full recomputation) far lower: with "
+                "sequence parallelism (Korthikanti et al. 2022), which BLOOM's Megatron-DeepSpeed fork did not have, "
+                "the planner fits BLOOM's layout without recomputation (63 GB per GPU) and ranks that row first. "
+                "Its predicted MFU stays below the reported because compute runs at the assumed 40 % kernel "
+                "efficiency while BLOOM's h = 14,336 matmuls ran at about "
+                "48 % of peak (hardware FLOPs), and no DP or PP communication overlaps compute."),
+    PublishedRun(
+        "Llama 3 405B, 16K GPUs", "llama3-405b", "H100", 2048, 8, 50.0, "400 Gb/s RoCE per GPU",
+        global_batch=2048, seq_len=8192, dp=128, tp=8, pp=16, zero=None, ckpt=None, micro_batch=None,
+        schedule="interleaved 1F1B (flexible number of micro-batches)", reported_tflops=400.0,
+        counts_recompute=False, stated_mfu=0.41, source=LLAMA3,
+        note="Table 4 (TP 8, CP 1, PP 16, DP 128, seq 8,192, 16M tokens per batch = 2,048 sequences, 400 TFLOP/s, "
+             "41 % BF16 MFU) and the cluster (H100 80GB, 8 per server, 400 Gb/s per GPU): from the paper, not "
+             "re-checked here beyond secondary summaries. Data parallelism is FSDP that keeps parameters after the "
+             "forward (no reshard); recomputation and micro-batch size are not stated.",
+        why_not=_LLAMA3_WHY.format(m=16, bubble=15 / 16)),
+    PublishedRun(
+        "Llama 3 405B, 8K GPUs", "llama3-405b", "H100", 1024, 8, 50.0, "400 Gb/s RoCE per GPU",
+        global_batch=2048, seq_len=8192, dp=64, tp=8, pp=16, zero=None, ckpt=None, micro_batch=None,
+        schedule="interleaved 1F1B (flexible number of micro-batches)", reported_tflops=430.0,
+        counts_recompute=False, stated_mfu=0.43, source=LLAMA3,
+        note="Table 4 (TP 8, CP 1, PP 16, DP 64, 430 TFLOP/s, 43 % BF16 MFU): from the paper, not re-checked here.",
+        why_not=_LLAMA3_WHY.format(m=32, bubble=15 / 32)),
+)
+
+
+# --------------------------------------------------------------------------------------------- published runs
+
+@dataclasses.dataclass
+class Check:
+    """A published run in the planner. ``row``: the published layout (unstated fields filled with the planner's
+    best feasible choice); ``rank``: its place among all feasible rows by step time (1 = fastest; None if
+    infeasible or not enumerated); ``shape_rank``: its dp x tp x pp among all shapes, each at its best row;
+    ``top5``: the best row of each of the five fastest shapes."""
+
+    run: PublishedRun
+    row: Estimate
+    rank: int | None
+    shape_rank: int | None
+    top5: list
+    n_layouts: int
+    seconds: float                      # time plan() took
+
+    @property
+    def feasible(self) -> bool:
+        return self.row.feasible
+
+    @property
+    def in_top5(self) -> bool:
+        return self.shape_rank is not None and self.shape_rank <= 5
+
+    @property
+    def planner_mfu(self) -> float:
+        return self.row.mfu
+
+    @property
+    def reported_mfu(self) -> float:
+        return self.run.reported_mfu
+
+    @property
+    def mfu_without_bubble_and_dp(self) -> float:
+        """What the planner's MFU would be if the pipeline bubble and the DP communication were hidden (an upper
+        bound for interleaving plus overlap; recomputation and the assumed kernel efficiency stay)."""
+        t = self.row.time
+        return self.row.mfu * t["total"] / (t["total"] - t["bubble"] - t["dp"])
+
+
+def _shape(layout: Layout) -> tuple[int, int, int]:
+    return layout.dp, layout.tp, layout.pp
+
+
+def check_published(run: PublishedRun, mfu: float = 0.4) -> Check:
+    """Plan the run's cluster and batch; place the published layout among the feasible ones."""
+    cfg, gpu = get_preset(run.preset), GPU_SPECS[run.gpu]
+    t0 = time.perf_counter()
+    rows = plan(cfg, gpu, run.cluster, run.global_batch, run.seq_len, mfu=mfu)
+    seconds = time.perf_counter() - t0
+    feasible = [r for r in rows if r.feasible]
+    stated = {k: getattr(run, k) for k in ("zero", "ckpt", "micro_batch") if getattr(run, k) is not None}
+    mine = [r for r in feasible if _shape(r.layout) == (run.dp, run.tp, run.pp)
+            and all(getattr(r.layout, k) == v for k, v in stated.items())]
+    if mine:
+        row, rank = mine[0], feasible.index(mine[0]) + 1
+    else:                               # infeasible: the planner's reason for the stated (or default) choices
+        layout = Layout(run.dp, run.tp, run.pp, **{"zero": 1, "ckpt": "none", "micro_batch": 1, **stated})
+        row, rank = estimate(cfg, gpu, run.cluster, layout, run.global_batch, run.seq_len, mfu=mfu), None
+    best_of_shape: dict = {}
+    for r in feasible:
+        best_of_shape.setdefault(_shape(r.layout), r)
+    shapes = list(best_of_shape)
+    shape = (run.dp, run.tp, run.pp)
+    shape_rank = shapes.index(shape) + 1 if shape in best_of_shape else None
+    return Check(run, row, rank, shape_rank, [best_of_shape[s] for s in shapes[:5]], len(rows), seconds)
+
+
+def check_all(runs=PUBLISHED, mfu: float = 0.4) -> list[Check]:
+    return [check_published(r, mfu) for r in runs]
+
+
+def published_table(checks: list[Check]) -> str:
+    """One line per run: published layout, feasible, ranks, planner vs reported MFU (model FLOPs)."""
+    lines = [f"{'run':<24} {'GPUs':>6} {'published dp x tp x pp':>22} {'feasible':>8} {'rank':>5} {'shape':>5} "
+             f"{'MFU planner':>11} {'no bubble/dp':>12} {'reported':>8}"]
+    for c in checks:
+        r = c.run
+        lines.append(f"{r.name:<24} {r.cluster.n_gpus:>6} {f'{r.dp} x {r.tp} x {r.pp}':>22} {str(c.feasible):>8} "
+                     f"{c.rank or '-':>5} {c.shape_rank or '-':>5} {c.planner_mfu:>11.1%} "
+                     f"{c.mfu_without_bubble_and_dp:>12.1%} {c.reported_mfu:>8.1%}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------- method by size
+
+def _gpt(name: str, n_layer: int, d_model: int, n_head: int) -> ModelConfig:
+    """Narayanan et al. (2021, table 1)'s GPT shapes: vocabulary 51,200, sequence 2,048."""
+    return ModelConfig(vocab_size=51200, seq_len=2048, n_layer=n_layer, n_head=n_head, d_model=d_model, name=name)
+
+
+# ~12 L h^2 parameters each: 1.3B (GPT-3 XL's shape), 10B (32 heads, so that tp=32 divides them), 100B and
+# Narayanan's 1T (128 layers, h 25,600, 160 heads).
+SIZES = {"1B": _gpt("gpt-1.3b", 24, 2048, 16), "10B": _gpt("gpt-10b", 32, 5120, 32),
+         "100B": _gpt("gpt-100b", 80, 10240, 80), "1T": _gpt("gpt-1t", 128, 25600, 160)}
+SEED_METHOD = {"1B": "DP", "10B": "ZeRO", "100B": "TP/PP", "1T": "3D"}
+FAMILIES = ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "TP+DP", "PP+DP", "TP+PP+DP")
+
+
+def family(layout: Layout) -> str:
+    """The strategy family of a layout: data parallel alone (by ZeRO stage), or which model dimensions it uses."""
+    if layout.tp == 1 and layout.pp == 1:
+        return "DP" if layout.zero == 0 else f"ZeRO-{layout.zero}"
+    return "TP+DP" if layout.pp == 1 else ("PP+DP" if layout.tp == 1 else "TP+PP+DP")
+
+
+def method_by_size(gpu: str = "H100", nodes=(1, 8, 64), gpus_per_node: int = 8, inter_gbs_per_gpu: float = 50.0,
+                   global_batch: int = 1024, mfu: float = 0.4) -> list[dict]:
+    """For each size in :data:`SIZES` and each cluster of ``nodes x gpus_per_node`` GPUs: the fastest feasible
+    layout of every strategy family (None: no layout of that family fits), and the planner's overall choice.
+    ZeRO-3's working buffers (two layers' gathered 16-bit parameters: the one in use and the prefetched one) are
+    counted: 31 GB for the 1T model without TP."""
+    out = []
+    for size, cfg in SIZES.items():
+        for n in nodes:
+            cluster = Cluster(f"{n} x {gpus_per_node} {gpu}, {inter_gbs_per_gpu:g} GB/s per GPU", n, gpus_per_node,
+                              inter_gbs_per_gpu)
+            best: dict = {f: None for f in FAMILIES}
+            for r in plan(cfg, GPU_SPECS[gpu], cluster, global_batch, mfu=mfu):
+                if r.feasible and best[family(r.layout)] is None:
+                    best[family(r.layout)] = r
+            fits = [f for f in FAMILIES if best[f] is not None]
+            fastest = min(fits, key=lambda f: best[f].time["total"]) if fits else None
+            out.append(dict(size=size, params=cfg.num_params(), nodes=n, gpus=cluster.n_gpus, best=best, fits=fits,
+                            fastest=fastest, seed=SEED_METHOD[size]))
+    return out
+
+
+def method_table(rows: list[dict]) -> str:
+    lines = [f"{'size':<5} {'GPUs':>5} {'seed':>6}  " + " ".join(f"{f:>8}" for f in FAMILIES) + "  fastest"]
+    for r in rows:
+        cells = " ".join(f"{r['best'][f].mfu:>8.0%}" if r["best"][f] else f"{'-':>8}" for f in FAMILIES)
+        lines.append(f"{r['size']:<5} {r['gpus']:>5} {r['seed']:>6}  {cells}  {r['fastest'] or 'nothing fits'}")
+    return "\n".join(lines) + "\n(cells: the family's best MFU by the planner; '-': no layout of it fits)"
+
+
+# -------------------------------------------------------------------------------------------- efficiency
+
+SEED_EFFICIENCY = {"DP": (0.85, 0.95), "TP": (0.75, 0.85), "PP": (0.80, 0.90), "ZeRO-2": (0.80, 0.90),
+                   "ZeRO-3": (0.70, 0.80), "FSDP": (0.85, 0.95)}
+
+# (seed method, what is run, model, (dp, tp, pp, zero) of n GPUs, on one node?, why it scores what it scores)
+_METHOD_RUNS = (
+    ("DP", "DDP over all GPUs", "1B", lambda n: (n, 1, 1, 0), False,
+     "one gradient all-reduce per step, not overlapped here; DDP's buckets overlap it with the backward"),
+    ("TP", "tensor parallel 8, one node", "10B", lambda n: (1, n, 1, 0), True,
+     "4 all-reduces of (b, s, h) per layer per micro-batch on NVLink, on the critical path"),
+    ("TP", "tensor parallel over all GPUs", "10B", lambda n: (1, n, 1, 0), False,
+     "the same all-reduces over InfiniBand: the seed's range holds inside a node only"),
+    ("PP", "pipeline over all GPUs", "10B", lambda n: (1, 1, n, 0), False,
+     "the 1F1B bubble (p-1)/m falls with more micro-batches per step; each micro-batch's (b, s, h) activation "
+     "crosses the stage boundaries on the critical path"),
+    ("ZeRO-2", "ZeRO-2 over all GPUs", "10B", lambda n: (n, 1, 1, 2), False,
+     "DP's volume (reduce-scatter + all-gather), not overlapped"),
+    ("ZeRO-3", "ZeRO-3 over all GPUs", "10B", lambda n: (n, 1, 1, 3), False,
+     "parameters all-gathered in forward and backward and gradients reduce-scattered for every micro-batch: 3x "
+     "DP's volume per micro-batch, none of it prefetched or overlapped here"),
+    ("FSDP", "FSDP full shard over all GPUs", "10B", lambda n: (n, 1, 1, 3), False,
+     "FSDP's full shard is ZeRO-3: the same number; the seed's higher range for FSDP can only come from "
+     "prefetching and overlap (or SHARD_GRAD_OP, which is ZeRO-2), not from the algorithm"),
+)
+
+
+def efficiency_estimates(gpu: str = "H100", nodes: int = 4, gpus_per_node: int = 8, inter_gbs_per_gpu: float = 50.0,
+                         global_batch: int = 512, mfu: float = 0.4) -> list[dict]:
+    """Each seed method alone on ``nodes x gpus_per_node`` GPUs (400 Gb/s InfiniBand = 50 GB/s per GPU by default):
+    scaling efficiency = time of the model FLOPs at the assumed kernel efficiency / step time (= planner MFU / mfu),
+    for the best feasible recomputation and micro-batch. No communication overlaps compute in the planner, so these
+    are lower bounds for implementations that overlap (DDP, FSDP, DeepSpeed)."""
+    cluster = Cluster(f"{nodes} x {gpus_per_node} {gpu}, {inter_gbs_per_gpu:g} GB/s per GPU", nodes, gpus_per_node,
+                      inter_gbs_per_gpu)
+    node = Cluster(f"1 x {gpus_per_node} {gpu}", 1, gpus_per_node, inter_gbs_per_gpu)
+    out = []
+    for method, what, size, layout_of, one_node, why in _METHOD_RUNS:
+        on = node if one_node else cluster
+        n, cfg = on.n_gpus, SIZES[size]
+        dp, tp, pp, zero = layout_of(n)
+        rows = [estimate(cfg, GPU_SPECS[gpu], on, Layout(dp, tp, pp, zero, ckpt, b), global_batch, mfu=mfu)
+                for ckpt in ("none", "selective", "full") for b in (1, 2, 4, 8)]
+        feasible = sorted((r for r in rows if r.feasible), key=lambda r: r.time["total"])
+        if not feasible:
+            raise ValueError(f"{what}: no feasible layout for {size} on {on.name}: {rows[0].why}")
+        best = feasible[0]
+        eff = best.mfu / mfu
+        lo, hi = SEED_EFFICIENCY[method]
+        t = best.time
+        model_time = flops.step_flops(cfg, global_batch) / (n * GPU_SPECS[gpu].bf16_tflops * 1e12 * mfu)
+        overheads = {"recomputation": t["compute"] - model_time, "bubble": t["bubble"], "tp": t["tp"], "pp": t["pp"],
+                     "dp": t["dp"]}
+        top = sorted((k for k in overheads if overheads[k] > 0.01 * t["total"]), key=overheads.get, reverse=True)
+        shares = ", ".join(f"{k} {overheads[k] / t['total']:.0%}" for k in top[:2]) or "no overhead"
+        where = "within" if lo <= eff <= hi else ("below" if eff < lo else "above")
+        verdict = f"{where} the seed's {lo:.0%}-{hi:.0%}: {shares} of the step; {why}"
+        out.append(dict(method=method, what=what, model=size, gpus=n, layout=best.layout, efficiency=eff,
+                        seed=(lo, hi), verdict=verdict, estimate=best))
+    return out
+
+
+def efficiency_table(rows: list[dict]) -> str:
+    lines = [f"{'seed method':<7} {'run':<31} {'model':>5} {'GPUs':>4} {'planner':>8} {'seed':>9}  verdict"]
+    for r in rows:
+        lo, hi = r["seed"]
+        lines.append(f"{r['method']:<7} {r['what']:<31} {r['model']:>5} {r['gpus']:>4} {r['efficiency']:>8.0%} "
+                     f"{f'{lo:.0%}-{hi:.0%}':>9}  {r['verdict'].split(':')[0]}")
+    return "\n".join(lines)

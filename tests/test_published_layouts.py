@@ -1,0 +1,116 @@
+"""The planner against published training runs, and the seed's tables re-derived (lesson 08): every published
+layout fits in the planner and ranks in its top 5 or says what the planner leaves out; the method-by-size and
+efficiency tables come from the planner's formulas. All by formula: a few seconds."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from course_lib.config import ModelConfig, get_preset
+from course_lib.lessons.l08_three_d import published
+from course_lib.lessons.l08_three_d.published import (LEFT_OUT, PUBLISHED, SEED_EFFICIENCY, check_all,
+                                                      efficiency_estimates, method_by_size)
+from course_lib.measure import GPU_SPECS
+from course_lib.theory.planner import Cluster, plan
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return check_all()
+
+
+def test_published_runs_have_sources_and_consistent_layouts():
+    assert len(PUBLISHED) >= 3 and len({r.preset for r in PUBLISHED}) >= 3
+    for r in PUBLISHED:
+        assert re.fullmatch(r"\d{4}\.\d{5}", r.source.arxiv), r.name
+        assert r.source.title and r.source.authors and r.source.where and 2019 <= r.source.year <= 2025
+        assert r.dp * r.tp * r.pp == r.cluster.n_gpus, r.name
+        assert r.global_batch % (r.dp * (r.micro_batch or 1)) == 0, r.name
+        assert r.note and r.why_not
+    bloom = get_preset("bloom-176b")
+    assert bloom.num_params() - bloom.seq_len * bloom.d_model == 176_247_242_752    # BLOOM's 176,247 M
+
+
+def test_every_published_layout_is_feasible(checks):
+    for c in checks:
+        assert c.feasible, (c.run.name, c.row.why)
+        assert c.rank is not None, f"{c.run.name}: plan() does not enumerate {c.row.layout.label()}"
+        assert (c.row.layout.dp, c.row.layout.tp, c.row.layout.pp) == (c.run.dp, c.run.tp, c.run.pp)
+        for field in ("zero", "ckpt", "micro_batch"):               # the stated choices are kept
+            if getattr(c.run, field) is not None:
+                assert getattr(c.row.layout, field) == getattr(c.run, field), (c.run.name, field)
+
+
+def test_published_layouts_rank_in_top5_or_say_what_the_planner_leaves_out(checks):
+    for c in checks:
+        assert c.in_top5 or any(w in c.run.why_not for w in LEFT_OUT), c.run.name
+        assert any(w in c.run.why_not for w in LEFT_OUT), c.run.name   # every run names what the planner lacks
+    by_name = {c.run.name: c for c in checks}
+    # GPT-3's and BLOOM's dp x tp x pp are in the top 5; BLOOM's pp=12 is not a power of two
+    assert by_name["Megatron-LM GPT-3 175B"].shape_rank <= 5
+    assert by_name["BLOOM-176B"].shape_rank <= 5 and by_name["BLOOM-176B"].run.pp == 12
+
+
+def test_ranks_agree_with_plan_order(checks):
+    c = next(c for c in checks if c.run.name == "BLOOM-176B")
+    r = c.run
+    feasible = [e for e in plan(get_preset(r.preset), GPU_SPECS[r.gpu], r.cluster, r.global_batch, r.seq_len)
+                if e.feasible]
+    assert c.row is not None and feasible.index(c.row) + 1 == c.rank
+    shapes = list(dict.fromkeys((e.layout.dp, e.layout.tp, e.layout.pp) for e in feasible))
+    assert shapes.index((r.dp, r.tp, r.pp)) + 1 == c.shape_rank
+    assert [(e.layout.dp, e.layout.tp, e.layout.pp) for e in c.top5] == shapes[:5]
+    assert c.top5[0].time["total"] <= c.row.time["total"]
+    assert 0 < c.planner_mfu <= c.mfu_without_bubble_and_dp <= 0.4 + 1e-9
+
+
+def test_reported_mfu_takes_the_recomputed_forward_out():
+    gpt3, bloom, llama16k = PUBLISHED[0], PUBLISHED[1], PUBLISHED[2]
+    assert gpt3.reported_mfu == pytest.approx(138 / 312 * 0.75)
+    assert gpt3.stated_mfu == pytest.approx(138 / 312, abs=0.01)           # the paper's 44 % (hardware FLOPs)
+    assert bloom.reported_mfu == pytest.approx(150 / 312 * 0.75)
+    assert llama16k.reported_mfu == pytest.approx(400 / 989.4)
+
+
+def test_plan_enumerates_divisors_and_stays_fast():
+    cfg = get_preset("bloom-176b")
+    rows = plan(cfg, GPU_SPECS["A100"], Cluster("48 x 8", 48, 8, 6.25), 2048)
+    assert any(r.layout.pp == 12 and r.feasible for r in rows)
+    # 384 GPUs and a batch of 2,048: every power-of-two pp leaves dp = 3 x 2^k, which does not divide the batch
+    assert all(r.layout.pp % 3 == 0 for r in rows if r.feasible)
+    t0 = time.perf_counter()
+    big = plan(get_preset("llama3-405b"), GPU_SPECS["H100"], Cluster("2048 x 8", 2048, 8, 50.0), 2048, 8192)
+    assert time.perf_counter() - t0 < 5.0 and any(r.feasible for r in big)
+
+
+def test_method_by_size_on_80_gb_gpus():
+    rows = {(r["size"], r["gpus"]): r for r in method_by_size()}
+    one_node = rows[("1B", 8)]
+    assert "DP" in one_node["fits"] and one_node["fastest"] == "DP"         # 16P = 21 GB: plain DP fits
+    assert all("DP" not in r["fits"] for (size, _), r in rows.items() if size != "1B")   # 10B: 16P = 165 GB
+    assert "ZeRO-2" in rows[("10B", 8)]["fits"] and "ZeRO-1" not in rows[("100B", 512)]["fits"]
+    assert rows[("100B", 8)]["fits"] == [] and rows[("1T", 64)]["fits"] == []
+    big = rows[("1T", 512)]
+    assert big["fastest"] == "TP+PP+DP" and "PP+DP" not in big["fits"]
+    best = big["best"]["TP+PP+DP"].mfu
+    assert all(best > 1.5 * big["best"][f].mfu for f in big["fits"] if f != "TP+PP+DP")
+    assert published.SIZES["1T"].num_params() == pytest.approx(1.0e12, rel=0.02)
+
+
+def test_efficiency_estimates_against_the_seed():
+    rows = efficiency_estimates()
+    assert {r["method"] for r in rows} == set(SEED_EFFICIENCY)
+    for r in rows:
+        assert 0 < r["efficiency"] <= 1, r
+        lo, hi = r["seed"]
+        word = "within" if lo <= r["efficiency"] <= hi else ("below" if r["efficiency"] < lo else "above")
+        assert r["verdict"].startswith(word), r["verdict"]
+        assert r["estimate"].feasible
+    by = {r["what"]: r for r in rows}
+    assert by["FSDP full shard over all GPUs"]["efficiency"] == by["ZeRO-3 over all GPUs"]["efficiency"]
+    assert by["tensor parallel over all GPUs"]["efficiency"] < 0.5 * by["tensor parallel 8, one node"]["efficiency"]
+    assert by["ZeRO-3 over all GPUs"]["efficiency"] < by["ZeRO-2 over all GPUs"]["efficiency"]
+    assert isinstance(published.SIZES["10B"], ModelConfig)

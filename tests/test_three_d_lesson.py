@@ -1,0 +1,133 @@
+"""Lesson 08's graded checks and report (course_lib/lessons/l08_three_d/checks.py, report.py): right answers pass,
+each typical wrong answer fails with a one-line message naming what differs; the frontier is the Pareto set."""
+
+from __future__ import annotations
+
+import math
+
+import matplotlib
+import pytest
+
+from course_lib.config import get_preset
+from course_lib.dist import GridLayout
+from course_lib.grading.check import CheckFailed
+from course_lib.lessons.l08_three_d import checks, report
+from course_lib.measure import GPU_SPECS
+from course_lib.theory import comm, flops, planner
+from course_lib.theory.memory import zero_model_state_bytes
+
+matplotlib.use("Agg")
+
+
+def coords(rank, dp, pp, tp):
+    rest, t = divmod(rank, tp)
+    p, d = divmod(rest, dp)
+    return {"pp": p, "dp": d, "tp": t}
+
+
+def coords_dp_outermost(rank, dp, pp, tp):          # picotron's order: a valid grid, not the course's
+    rest, t = divmod(rank, tp)
+    d, p = divmod(rest, pp)
+    return {"pp": p, "dp": d, "tp": t}
+
+
+def members(rank, dim, dp, pp, tp):
+    return GridLayout(dp=dp, pp=pp, tp=tp).members(rank, dim)
+
+
+def params(cfg, tp, pp):
+    vocab = cfg.vocab_size * cfg.d_model
+    return (math.ceil(cfg.n_layer / pp) * planner.layer_params(cfg) + (vocab if pp > 1 or cfg.tie_embeddings
+                                                                       else 2 * vocab)) / tp
+
+
+def params_no_embedding(cfg, tp, pp):
+    return math.ceil(cfg.n_layer / pp) * planner.layer_params(cfg) / tp
+
+
+def state(cfg, dp, tp, pp, zero):
+    return zero_model_state_bytes(params(cfg, tp, pp), dp, zero)["total"]
+
+
+def state_zero3_always(cfg, dp, tp, pp, zero):
+    return zero_model_state_bytes(params(cfg, tp, pp), dp, 3)["total"]
+
+
+def step_time(cfg, gpu, cluster, layout, global_batch, mfu=0.4, bubble=True):
+    s, h = cfg.seq_len, cfg.d_model
+    dp, tp, pp, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
+    m = global_batch // (dp * b)
+    compute = flops.step_flops(cfg, global_batch, s) / (cluster.n_gpus * gpu.bf16_tflops * 1e12 * mfu)
+    act = b * s * h * 2
+    t_tp = math.ceil(cfg.n_layer / pp) * m * 4 * comm.collective_time("all_reduce", act, tp,
+                                                                      *planner.link(cluster, gpu, 1, tp))
+    alpha, bw = planner.link(cluster, gpu, tp * dp, pp)
+    t_pp = m * 2 * (alpha + act / tp / bw) if pp > 1 else 0.0
+    t_dp = comm.collective_time("all_reduce", 2 * planner.stage_params(cfg, tp, pp), dp,
+                                *planner.link(cluster, gpu, tp, dp))
+    return {"compute": compute, "bubble": compute * (pp - 1) / m if bubble else 0.0, "tp": t_tp, "pp": t_pp,
+            "dp": t_dp}
+
+
+def test_right_answers_pass_locally():
+    # check_grid's right answer launches 8 ranks: tests/test_grading.py grades the solution notebook with it
+    assert len(checks.check_stage_memory(params, state, fake_group=False)) == len(checks.MEMORY_CASES)
+    assert len(checks.check_step_time(step_time)) == len(checks.TIME_CASES)
+    picks = checks.check_choose_layout(checks.choose_reference)
+    assert any(p["layout"] is None for p in picks) and any(p["layout"] for p in picks)
+
+
+@pytest.mark.parametrize("fn, where", [(coords_dp_outermost, "grid_coords("),
+                                       (lambda r, dp, pp, tp: {"pp": 0, "dp": 0, "tp": r}, "grid_coords(")])
+def test_wrong_grid_order_fails_before_any_launch(fn, where):
+    with pytest.raises(CheckFailed, match=r"grid_coords\(") as info:
+        checks.check_grid(fn, members)
+    assert "\n" not in str(info.value) and where in str(info.value)
+
+
+def test_wrong_group_members_fail():
+    def unordered(rank, dim, dp, pp, tp):
+        return sorted(members(rank, dim, dp, pp, tp), reverse=True)
+    with pytest.raises(CheckFailed, match="group_members"):
+        checks.check_grid(coords, unordered)
+
+
+@pytest.mark.parametrize("p, s, what", [(params_no_embedding, state, "params_per_gpu"),
+                                        (params, state_zero3_always, "state_bytes_per_gpu")])
+def test_wrong_memory_fails(p, s, what):
+    with pytest.raises(CheckFailed, match=what):
+        checks.check_stage_memory(p, s, fake_group=False)
+
+
+def test_wrong_step_time_fails_on_the_wrong_part():
+    with pytest.raises(CheckFailed, match="bubble seconds"):
+        checks.check_step_time(lambda *a: step_time(*a, bubble=False))
+
+
+def test_choose_ignoring_the_slack_or_the_budget_fails():
+    def fastest(rows, budget_gb, slack):
+        fits = [r for r in rows if r.feasible and r.memory["total"] <= budget_gb * 1e9]
+        return fits[0] if fits else None
+
+    def no_budget(rows, budget_gb, slack):
+        return checks.choose_reference(rows, 1e9, slack)
+
+    for wrong in (fastest, no_budget):
+        with pytest.raises(CheckFailed, match="choose_layout"):
+            checks.check_choose_layout(wrong)
+
+
+def test_frontier_is_the_pareto_set_and_figures_draw():
+    rows = planner.plan(get_preset("gpt3-175b"), GPU_SPECS["A100"], planner.Cluster("64 x 8", 64, 8, 25.0), 512)
+    front = report.frontier(rows)
+    ok = [r for r in rows if r.feasible]
+    assert front and front[0] is ok[0]
+    for r in ok:                                           # nothing beats a frontier point in both
+        for f in front:
+            assert not (r.time["total"] < f.time["total"] and r.memory["total"] < f.memory["total"])
+    assert "feasible" in report.plan_table(rows, k=3)
+    g = GridLayout(dp=2, pp=2, tp=2)
+    mem = [{"coords": g.coords_of(r), "groups": {d: g.members(r, d) for d in ("tp", "pp", "dp")}} for r in range(8)]
+    for fig in (report.grid_figure(g.sizes, mem, 4), report.frontier_figure(rows, "t", 80, mark=ok[0].layout)):
+        assert fig.axes
+        matplotlib.pyplot.close(fig)
