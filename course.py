@@ -41,6 +41,10 @@ TEST_PATHS = ["tests", "notebooks"]
 #     COURSE_BROWSER=required makes it fail, not skip, if it cannot run. Without Chromium, the browser test skips,
 #     saying why.
 BROWSER_TEST = "tests/test_browser.py"
+#  4. The tests run in parallel, one pytest-xdist worker per core (at most 4; COURSE_TEST_WORKERS overrides, 1 runs
+#     them in one process): most of a serial run waits (torchrun start-up, rendezvous, time-outs of the hang tests,
+#     JupyterLab), so two workers on 2 cores take about half the time. ``--dist loadscope`` keeps each test file (and
+#     each notebook, whose cells share one kernel under nbval) in one worker, with its module fixtures.
 CHROMIUM = Path(os.environ.get("COURSE_CHROMIUM", "/usr/bin/chromium"))  # as course_lib.browser.chromium()
 # COURSE_NCCL_RULES=1: every rank started by the tests, lessons and solutions checks NCCL's rules on gloo
 # (course_lib/nccl_rules.py), so that what passes on a CPU does not fail or hang on GPUs.
@@ -85,6 +89,19 @@ def ensure_env(extras: list[str]) -> None:
     STAMP.write_text(" ".join([requirements_hash(), *extras]))
 
 
+def test_workers(extra: list[str]) -> list[str]:
+    """pytest-xdist's arguments: ``-n N --dist loadscope`` with N = the cores (at most 4), or what
+    COURSE_TEST_WORKERS says; none when the caller passed its own ``-n`` or N is 1."""
+    if any(a == "-n" or a.startswith(("-n=", "--numprocesses")) for a in extra):
+        return []
+    wanted = os.environ.get("COURSE_TEST_WORKERS", "")
+    if wanted and not wanted.isdigit():
+        fail(f"COURSE_TEST_WORKERS={wanted!r}: give a number of test processes, e.g. 2 (1: no parallel workers)")
+    n = int(wanted) if wanted else min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                       else (os.cpu_count() or 1), 4)
+    return ["-n", str(n), "--dist", "loadscope"] if n > 1 else []
+
+
 def run_tests(extra: list[str], browser: str) -> int:
     """Run the tests; ``browser`` is "only" (just the browser test), "lessons" (it runs too) or "" (it skips)."""
     env = dict(os.environ, **TEST_ENV)
@@ -99,7 +116,7 @@ def run_tests(extra: list[str], browser: str) -> int:
             print("exercises/ is out of date: run `python3 course.py build` and commit the result", file=sys.stderr)
             return status
         paths = [p for p in TEST_PATHS if (ROOT / p).exists()]
-    cmd = [str(BIN / "python"), "-m", "pytest", *NBVAL_ARGS, *paths, *extra]
+    cmd = [str(BIN / "python"), "-m", "pytest", *NBVAL_ARGS, *test_workers(extra), *paths, *extra]
     print("running:", " ".join(cmd), flush=True)
     return subprocess.call(cmd, cwd=ROOT, env=env)
 
