@@ -260,20 +260,31 @@ class Cgroup:
 
     def close(self) -> None:
         """Remove the cgroup (killing whatever is still in it)."""
+        # Up to 30 s: after a fork bomb on a loaded machine, hundreds of killed processes take seconds to be reaped
+        # (CI of stop 25 left one cgroup behind with a 5 s limit).
+        deadline = time.monotonic() + 30
         for folder in self.folders:
-            for _ in range(50):
+            pause = 0.05
+            while True:
                 try:
                     folder.rmdir()
                     break
                 except FileNotFoundError:
                     break
                 except OSError:  # busy: processes left, or the last ones not reaped yet
-                    for pid in (folder / "cgroup.procs").read_text().split():
+                    if time.monotonic() > deadline:
+                        break
+                    try:
+                        pids = (folder / "cgroup.procs").read_text().split()
+                    except OSError:
+                        pids = []
+                    for pid in pids:
                         try:
                             os.kill(int(pid), 9)
-                        except ProcessLookupError:
+                        except (ProcessLookupError, ValueError):
                             pass
-                    time.sleep(0.1)
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.5)
 
 
 # ------------------------------------------------------------------------------------ runner side
