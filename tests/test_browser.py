@@ -1,9 +1,10 @@
 """Every lesson in a real JupyterLab 4, in headless Chromium: Run All, no error output, no dialog, every ipywidget
 rendered and reacting to a changed control (course_lib/browser.py says how each is judged).
 
-One JupyterLab server and one Chromium serve every lesson (a module fixture); each lesson's kernel is shut down
-before the next opens. The executed copies, a screenshot per lesson and the server's log stay in
-runs/browser/<date-time>/ (printed as each lesson ends).
+One JupyterLab server and one Chromium serve every lesson of a test process (a session fixture: under pytest-xdist
+each worker runs some of the lessons, tests/conftest.py); each lesson's kernel is shut down before the next opens.
+The executed copies, a screenshot per lesson and the server's log stay in runs/browser/<date-time>[-worker]/
+(printed as each lesson ends).
 
 Where Chromium (/usr/bin/chromium, or COURSE_CHROMIUM) or playwright is missing, the lessons are skipped with the
 reason; under COURSE_BROWSER=required (set by `python3 course.py test` when it leaves the lessons to this file, and
@@ -24,14 +25,15 @@ from course_lib import browser, cli
 LESSONS = cli.lessons("notebooks")  # every notebooks/NN_*.ipynb: lessons 08 and 09 join when they land
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lab():
     reason = browser.unavailable()
     if reason:
         if os.environ.get("COURSE_BROWSER") == "required":
             pytest.fail(f"COURSE_BROWSER=required, but {reason}")
         pytest.skip(reason)
-    run_dir = cli.ROOT / "runs" / "browser" / time.strftime("%Y%m%d-%H%M%S")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    run_dir = cli.ROOT / "runs" / "browser" / (time.strftime("%Y%m%d-%H%M%S") + (f"-{worker}" if worker else ""))
     with browser.Lab(run_dir) as lab:
         yield lab
 

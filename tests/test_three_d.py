@@ -1,6 +1,6 @@
 """3D parallelism from the course's pieces (lesson 08): 8 gloo ranks as dp 2 x pp 2 x tp 2 train a GPT for 3 steps
 and must equal one process on the global batch (losses and every parameter shard), with plain data parallelism
-and with ZeRO-1 over the dp group."""
+and with ZeRO-1 over the dp group, and with sequence parallelism in the tp group."""
 
 from __future__ import annotations
 
@@ -16,8 +16,12 @@ CFG = small_config(n_layer=4, tie_embeddings=False)
 STEPS, BATCH, M, LR = 3, 8, 2, 0.1
 
 
+VARIANTS = (("ddp", False), ("zero1", False), ("zero1", True))       # (data parallelism, sequence parallelism)
+
+
 def _rank_both() -> list[dict]:
-    return [rank_3d_comm(CFG, 2, 2, 2, BATCH, M, STEPS, dp_kind, lr=LR) for dp_kind in ("ddp", "zero1")]
+    return [rank_3d_comm(CFG, 2, 2, 2, BATCH, M, STEPS, dp_kind, lr=LR, sequence_parallel=sp)
+            for dp_kind, sp in VARIANTS]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +34,7 @@ def test_3d_on_8_gloo_ranks_equals_one_process_and_moves_what_the_formulas_say(o
     all-reduces, PP's messages, DP's gradient all-reduce or ZeRO-1's reduce-scatter + all-gather) equal lessons
     02-05's formulas exactly."""
     res = one_launcher
-    for variant in (0, 1):
+    for variant in range(len(VARIANTS)):
         outs = [r[variant] for r in res.returns]
         for out in outs:
             assert out["param_err"] < TOL, (variant, out["coords"], out["param_err"])
@@ -42,6 +46,8 @@ def test_3d_on_8_gloo_ranks_equals_one_process_and_moves_what_the_formulas_say(o
             ref = outs[0]["ref_losses"][step]
             assert abs(mean - ref) <= TOL * abs(ref), (variant, step, mean, ref)
         assert all(o["losses"] == [None] * STEPS for o in outs if o["coords"]["pp"] == 0)
+    for r in res.returns:                       # sequence parallelism: each TP rank sends its half of the sequence
+        assert r[2]["counted"]["pp"] * 2 == r[1]["counted"]["pp"] and r[2]["counted"]["dp"] == r[1]["counted"]["dp"]
 
 
 def _rank_ddp() -> dict:

@@ -311,7 +311,7 @@ def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solu
                 "error": f"{path}: cannot tell which lesson this is (no matching notebook in {solutions.folder})"}
     official = solutions.notebooks[lesson]
     assembled = assemble(sub, official)
-    workdir = Path(tempfile.mkdtemp(prefix="course-grade-"))
+    workdir = Path(tempfile.mkdtemp(prefix=f"course-grade-{os.getpid()}-"))     # the pid: whose cgroup it is
     t0 = time.perf_counter()
     try:
         shutil.copyfile(path, workdir / "submission.ipynb")

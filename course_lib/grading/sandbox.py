@@ -260,8 +260,7 @@ class Cgroup:
 
     def close(self) -> None:
         """Remove the cgroup (killing whatever is still in it)."""
-        # Up to 30 s: after a fork bomb on a loaded machine, hundreds of killed processes take seconds to be reaped
-        # (CI of stop 25 left one cgroup behind with a 5 s limit).
+        # Up to 30 s: after a fork bomb on a loaded machine, hundreds of killed processes can take seconds to go.
         deadline = time.monotonic() + 30
         for folder in self.folders:
             pause = 0.05

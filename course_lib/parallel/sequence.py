@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 __all__ = ["all_gather_sequence", "reduce_scatter_sequence", "gather_from_sequence", "scatter_to_sequence",
-           "SequenceParallelLinear"]
+           "split_to_sequence", "gather_to_replicated", "SequenceParallelLinear"]
 
 
 def _validate_seq(T: int, tp: int) -> None:
@@ -86,6 +86,51 @@ def gather_from_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
 def scatter_to_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
     """(B, T, C) partial -> (B, T/t, C) summed: reduce-scatter forward, all-gather backward."""
     return _ScatterToSequence.apply(x, group)
+
+
+class _SplitToSequence(torch.autograd.Function):
+    """Keep this rank's sequence shard forward, all-gather the gradient backward: entering the sequence-parallel
+    region from a replicated one (the same (B, T, C) on every rank, e.g. a pipeline stage's embeddings)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        tp, r = dist.get_world_size(group), dist.get_rank(group)
+        _validate_seq(x.shape[1], tp)
+        n = x.shape[1] // tp
+        return x[:, r * n:(r + 1) * n].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad.contiguous(), ctx.group), None
+
+
+class _GatherToReplicated(torch.autograd.Function):
+    """All-gather forward, keep this rank's shard of the gradient backward: leaving the sequence-parallel region
+    into a replicated one (every rank computes the same thing on the whole sequence, so its gradient is already
+    the full one on every rank, e.g. a last stage's final LayerNorm and head)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tp, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        n = grad.shape[1] // tp
+        return grad[:, r * n:(r + 1) * n].contiguous(), None
+
+
+def split_to_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """(B, T, C), the same on every rank -> this rank's (B, T/t, C): no communication forward, all-gather backward."""
+    return _SplitToSequence.apply(x, group)
+
+
+def gather_to_replicated(x: torch.Tensor, group=None) -> torch.Tensor:
+    """(B, T/t, C) -> (B, T, C) on every rank, for replicated layers after it: all-gather forward, no communication
+    backward."""
+    return _GatherToReplicated.apply(x, group)
 
 
 class SequenceParallelLinear(torch.autograd.Function):

@@ -32,7 +32,8 @@ from course_lib.config import ConfigError, ModelConfig
 from course_lib.parallel.tensor import ColumnParallelLinear, ParallelAttention, ParallelMLP
 from course_lib.parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__all__ = ["validate_tensor_parallel", "apply_tensor_parallel", "tensor_parallel_blocks", "TensorParallelGPT", "shard_like", "local_param_bytes"]
+__all__ = ["validate_tensor_parallel", "apply_tensor_parallel", "tensor_parallel_blocks", "TensorParallelGPT",
+           "sync_sequence_parallel_grads", "shard_like", "local_param_bytes"]
 
 
 def validate_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int | None = None,
@@ -106,24 +107,31 @@ class TensorParallelGPT(nn.Module):
         """Mean next-token cross-entropy, computed from the vocab shards (the same value on every rank)."""
         return vocab_parallel_cross_entropy(self(idx), targets, self.group)
 
-    @torch.no_grad()
     def sync_sequence_parallel_grads(self) -> None:
         """Sum over the group the gradients of parameters that saw only T/t tokens (sequence parallelism)."""
-        grads = [p.grad for p in self.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-        if not grads or self.tp == 1:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])          # one all-reduce for all of them
-        dist.all_reduce(flat, group=self.group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
-            offset += g.numel()
+        if self.tp > 1:
+            sync_sequence_parallel_grads(self, self.group)
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """(B, T, V/t) -> (B, T, V) on every rank (for checks only: the point of TP is never to need it)."""
         parts = [torch.empty_like(local_logits) for _ in range(self.tp)]
         dist.all_gather(parts, local_logits.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+
+@torch.no_grad()
+def sync_sequence_parallel_grads(module: nn.Module, group=None) -> None:
+    """Sum over ``group`` the gradients of ``module``'s parameters marked ``sequence_parallel`` (LayerNorm weights,
+    row-parallel biases, position embeddings: each rank saw T/t tokens), in one all-reduce."""
+    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def apply_tensor_parallel(model: nn.Module, group=None, sequence_parallel: bool = False) -> TensorParallelGPT:

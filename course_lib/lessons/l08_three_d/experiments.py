@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -22,32 +21,44 @@ from course_lib.data import random_batches
 from course_lib.lessons.common import max_relative_error, shard_batch, train_reference
 from course_lib.measure import CollectiveCounter
 from course_lib.model import build_model
+from course_lib.parallel.pipeline_schedules import split_stages
 from course_lib.parallel.three_d import make_optimizer_3d, parallelize_3d, shard_reference, train_step_3d
 from course_lib.theory.tensor import layer_collectives
 
 
 def formula_bytes(cfg, grid_sizes: dict, coords: dict, micro_batch: int, m: int, steps: int, stage_numel: int,
-                  data_parallel: str = "ddp") -> dict:
-    """Payload bytes per dimension that one rank calls in ``steps`` steps (fp32), by formula."""
+                  data_parallel: str = "ddp", sequence_parallel: bool = False) -> dict:
+    """Payload bytes per dimension that one rank calls in ``steps`` steps (fp32), by formula.
+
+    With sequence parallelism, TP adds: the first stage's all-gather of the gradient where the sequence is split
+    (backward), the last stage's all-gather before the head (forward), one (b, T, C) each per micro-batch; and once
+    per step the all-reduce of the gradients of the parameters that saw T/t tokens (per block 2 LayerNorms and the
+    2 row-parallel biases); PP's messages are t times smaller."""
     dp, tp, pp = grid_sizes["dp"], grid_sizes["tp"], grid_sizes["pp"]
-    blocks = math.ceil(cfg.n_layer / pp)
-    per_layer = sum(v["bytes"] for v in layer_collectives(cfg, micro_batch, cfg.seq_len, tp).values())
+    sp = sequence_parallel and tp > 1
+    blocks = len(range(*split_stages(cfg.n_layer, pp)[coords["pp"]]))
+    per_layer = sum(v["bytes"] for v in layer_collectives(cfg, micro_batch, cfg.seq_len, tp, sp).values())
     act = micro_batch * cfg.seq_len * cfg.d_model * 4
     boundaries = (coords["pp"] < pp - 1) + (coords["pp"] > 0)
     grads = stage_numel * 4 if dp > 1 else 0
-    return {"tp": steps * m * blocks * per_layer, "pp": steps * m * act * boundaries,
+    tp_bytes = steps * m * blocks * per_layer
+    if sp:
+        ends = (coords["pp"] == 0) + (coords["pp"] == pp - 1)
+        per_block = 2 * cfg.d_model * (2 if cfg.bias else 1) + (2 * cfg.d_model if cfg.bias else 0)
+        tp_bytes += steps * (m * ends * act + blocks * per_block * 4)
+    return {"tp": tp_bytes, "pp": steps * m * act // (tp if sp else 1) * boundaries,
             "dp": steps * grads * (2 if data_parallel == "zero1" else 1)}
 
 
 def rank_3d_comm(cfg, dp: int, pp: int, tp: int, global_batch: int, m: int, steps: int = 3,
-                 data_parallel: str = "ddp", lr: float = 0.1) -> dict:
+                 data_parallel: str = "ddp", lr: float = 0.1, sequence_parallel: bool = False) -> dict:
     """Runs on every rank of a dp x pp x tp launch: 3D training, its error against one process, and the bytes
     each dimension moved on this rank (counted) beside `formula_bytes`."""
     grid = cdist.ProcessGrid(dp=dp, pp=pp, tp=tp)
     batches = random_batches(cfg, global_batch, steps=steps, seed=1)
     ref = train_reference(cfg, batches, "sgd", lr=lr, seed=0)
     model = build_model(cfg, seed=0)
-    stage = parallelize_3d(model, grid)
+    stage = parallelize_3d(model, grid, sequence_parallel)
     opt = make_optimizer_3d(stage, grid, torch.optim.SGD, data_parallel, lr=lr)
     counter, losses, pp_bytes, stats = CollectiveCounter(), [], 0, {}
     with counter:
@@ -64,7 +75,7 @@ def rank_3d_comm(cfg, dp: int, pp: int, tp: int, global_batch: int, m: int, step
     coords = grid.coords_of(cdist.rank())
     return {"coords": coords, "losses": losses, "ref_losses": ref["losses"], "counted": counted,
             "formula": formula_bytes(cfg, grid.sizes, coords, global_batch // dp // m, m, steps, stage_numel,
-                                     data_parallel),
+                                     data_parallel, sequence_parallel),
             "param_err": max_relative_error({n: a for n, (a, _) in pairs.items()},
                                             {n: b for n, (_, b) in pairs.items()})}
 
