@@ -36,7 +36,7 @@ def grid_figure(sizes: dict, members: list[dict], gpus_per_node: int, title: str
         ax.add_patch(Rectangle((x, y), 0.8, 0.7, facecolor=("#eeeeee", "#cfcfe8")[node % 2], edgecolor="k"))
         ax.text(x + 0.4, y + 0.45, f"rank {r}", ha="center", va="center", fontsize=8)
         ax.text(x + 0.4, y + 0.18, f"node {node}", ha="center", va="center", fontsize=6, color="#555555")
-    drawn = set()
+    drawn, labelled = set(), set()
     for m in members:
         for dim, offset in (("tp", 0.0), ("dp", -0.12), ("pp", 0.12)):
             group = tuple(m["groups"][dim])
@@ -46,7 +46,8 @@ def grid_figure(sizes: dict, members: list[dict], gpus_per_node: int, title: str
             xs = [where[r][0] + offset for r in group]
             ys = [where[r][1] + (0.22 if dim == "tp" else 0) for r in group]
             ax.plot(xs, ys, "-o", color=COLORS[dim], lw=2, ms=3, alpha=0.8,
-                    label=f"{dim.upper()} group" if not any(d == dim for d, _ in drawn - {(dim, group)}) else None)
+                    label=None if dim in labelled else f"{dim.upper()} group")
+            labelled.add(dim)
     for s in range(pp):
         ax.text(s * (tp + 0.8) + tp * 0.45, dp + 0.1, f"pipeline stage {s}", ha="center", fontsize=8)
     ax.set_xlim(-0.3, pp * (tp + 0.8))
