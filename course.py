@@ -43,9 +43,11 @@ TEST_PATHS = ["tests", "notebooks"]
 BROWSER_TEST = "tests/test_browser.py"
 #  4. The tests run in parallel, one pytest-xdist worker per core (at most 4; COURSE_TEST_WORKERS overrides, 1 runs
 #     them in one process): most of a serial run waits (torchrun start-up, rendezvous, time-outs of the hang tests,
-#     JupyterLab), so two workers on 2 cores take less time. ``--dist loadgroup`` with the groups of
-#     tests/conftest.py keeps each test file (with its module fixtures) and each notebook (whose cells share one kernel
-#     under nbval) in one worker, and spreads the browser test's lessons over the workers.
+#     JupyterLab), so two workers on 2 cores take less time. ``--dist loadscope`` keeps each test file (with its
+#     module fixtures) and each notebook (whose cells share one kernel under nbval, in order) in one worker; files go
+#     out in collection order, so the longest (test_browser.py, test_grading.py) start early instead of last.
+#     (``--dist loadgroup`` with a group per browser lesson was tried: it ran nbval's cells out of order, and a second
+#     playwright in one worker refused to start.)
 CHROMIUM = Path(os.environ.get("COURSE_CHROMIUM", "/usr/bin/chromium"))  # as course_lib.browser.chromium()
 # COURSE_NCCL_RULES=1: every rank started by the tests, lessons and solutions checks NCCL's rules on gloo
 # (course_lib/nccl_rules.py), so that what passes on a CPU does not fail or hang on GPUs.
@@ -91,7 +93,7 @@ def ensure_env(extras: list[str]) -> None:
 
 
 def test_workers(extra: list[str]) -> list[str]:
-    """pytest-xdist's arguments: ``-n N --dist loadgroup`` with N = the cores (at most 4), or what
+    """pytest-xdist's arguments: ``-n N --dist loadscope`` with N = the cores (at most 4), or what
     COURSE_TEST_WORKERS says; none when the caller passed its own ``-n`` or N is 1."""
     if any(a == "-n" or a.startswith(("-n=", "--numprocesses")) for a in extra):
         return []
@@ -100,7 +102,7 @@ def test_workers(extra: list[str]) -> list[str]:
         fail(f"COURSE_TEST_WORKERS={wanted!r}: give a number of test processes, e.g. 2 (1: no parallel workers)")
     n = int(wanted) if wanted else min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                        else (os.cpu_count() or 1), 4)
-    return ["-n", str(n), "--dist", "loadgroup"] if n > 1 else []
+    return ["-n", str(n), "--dist", "loadscope", "--no-loadscope-reorder"] if n > 1 else []
 
 
 def run_tests(extra: list[str], browser: str) -> int:

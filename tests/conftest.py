@@ -44,13 +44,3 @@ def no_leftovers():
     left = _launched_processes()
     assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
 
-
-def pytest_collection_modifyitems(config, items):
-    """Groups for pytest-xdist's ``--dist loadgroup`` (course.py runs the tests on one worker per core): a test file
-    runs in one worker, with its module fixtures (test_grading's grades every lesson once), and so does a notebook
-    (nbval runs its cells in one kernel); the browser test's lessons are a group each, so that its ten minutes
-    spread over the workers (each worker starts its own JupyterLab)."""
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        lesson = path.endswith("test_browser.py") and "[" in item.nodeid
-        item.add_marker(pytest.mark.xdist_group(item.nodeid if lesson else path))

@@ -1,8 +1,8 @@
 """Every lesson in a real JupyterLab 4, in headless Chromium: Run All, no error output, no dialog, every ipywidget
 rendered and reacting to a changed control (course_lib/browser.py says how each is judged).
 
-One JupyterLab server and one Chromium serve every lesson of a test process (a session fixture: under pytest-xdist
-each worker runs some of the lessons, tests/conftest.py); each lesson's kernel is shut down before the next opens.
+One JupyterLab server and one Chromium serve every lesson (a module fixture: playwright's sync API runs one at a
+time in a process, and test_lab_report.py starts its own); each lesson's kernel is shut down before the next opens.
 The executed copies, a screenshot per lesson and the server's log stay in runs/browser/<date-time>[-worker]/
 (printed as each lesson ends).
 
@@ -25,7 +25,7 @@ from course_lib import browser, cli
 LESSONS = cli.lessons("notebooks")  # every notebooks/NN_*.ipynb: lessons 08 and 09 join when they land
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def lab():
     reason = browser.unavailable()
     if reason:
