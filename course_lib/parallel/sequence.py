@@ -88,6 +88,14 @@ def scatter_to_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
     return _ScatterToSequence.apply(x, group)
 
 
+def _own_shard(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, T, C) -> this rank's (B, T/t, C), no communication."""
+    tp, r = dist.get_world_size(group), dist.get_rank(group)
+    _validate_seq(x.shape[1], tp)
+    n = x.shape[1] // tp
+    return x[:, r * n:(r + 1) * n].contiguous()
+
+
 class _SplitToSequence(torch.autograd.Function):
     """Keep this rank's sequence shard forward, all-gather the gradient backward: entering the sequence-parallel
     region from a replicated one (the same (B, T, C) on every rank, e.g. a pipeline stage's embeddings)."""
@@ -95,10 +103,7 @@ class _SplitToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        tp, r = dist.get_world_size(group), dist.get_rank(group)
-        _validate_seq(x.shape[1], tp)
-        n = x.shape[1] // tp
-        return x[:, r * n:(r + 1) * n].contiguous()
+        return _own_shard(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -117,9 +122,7 @@ class _GatherToReplicated(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        tp, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        n = grad.shape[1] // tp
-        return grad[:, r * n:(r + 1) * n].contiguous(), None
+        return _own_shard(grad, ctx.group), None
 
 
 def split_to_sequence(x: torch.Tensor, group=None) -> torch.Tensor:

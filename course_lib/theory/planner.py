@@ -216,7 +216,8 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     acts = activation_bytes_per_gpu(cfg, layout, accum, s)
     logits = b * s * cfg.vocab_size / tp * (2 + 4)
     # ZeRO-3 / FSDP gathers each layer's 16-bit parameters before using it, and prefetches the next: two layers
-    # whole (of the TP shard) beside the shards, in forward and again (with their gradients' buffer) in backward
+    # whole (of the TP shard) beside the shards, in forward and again in backward (the unsharded gradient of the
+    # layer in backward, before its reduce-scatter, is left out)
     gathered = 2 * 2 * layer_params(cfg) / tp if layout.zero == 3 else 0
     memory = dict(model_states=states, activations=acts, logits=logits, zero3_buffers=gathered,
                   reserve=reserve_gb * GB)

@@ -136,7 +136,7 @@ def _simulate(layouts) -> list[dict]:
             local = _local_params(parts, mesh)
         finally:
             dist.destroy_process_group()
-        planned = stage_params(cfg if pp == 1 else cfg.replace(tie_embeddings=False), tp, pp) / dp
+        planned = stage_params(cfg, tp, pp) / dp
         rows.append(dict(model=name, params=cfg.num_params(), world=world, dp=dp, tp=tp, pp=pp,
                          local_params=local, planner_params=planned, error=local / planned - 1,
                          local_state_bytes=16 * local, planner_state_bytes=16 * planned,
