@@ -137,6 +137,25 @@ TERMS: dict[str, str] = {
     "fake process group": "伪进程组",
     "parallelism layout": "并行布局",
     "strategy planner": "并行策略规划器",
+    # training at scale in practice (lesson 09)
+    "learning-rate schedule": "学习率调度",
+    "cosine decay": "余弦衰减",
+    "layer-wise learning rate": "分层学习率",
+    "gradient clipping": "梯度裁剪",
+    "global gradient norm": "全局梯度范数",
+    "loss spike": "损失尖峰",
+    "divergence": "训练发散",
+    "monitoring": "监控",
+    "alert rule": "告警规则",
+    "straggler": "慢节点（掉队者）",
+    "distributed checkpoint": "分布式检查点",
+    "resume": "断点续训",
+    "resharding": "重新分片",
+    "asynchronous checkpoint": "异步检查点",
+    "elastic restart": "弹性重启",
+    "fault tolerance": "容错",
+    "mean time between failures (MTBF)": "平均故障间隔时间（MTBF）",
+    "GPU-hours": "GPU 小时",
 }
 
 _ROW = re.compile(r"^\|\s*(?P<en>[^|]+?)\s*\|\s*(?P<zh>[^|]*?)\s*\|\s*$")

@@ -263,8 +263,10 @@ def _child_env(extra: dict | None, threads: int, tag: str) -> dict:
 
 
 def torchrun_command(target: Sequence[str], nprocs: int, *, nnodes: int = 1, rdzv_endpoint: str | None = None,
-                     port: int | None = None, rdzv_id: str = "course") -> list[str]:
+                     port: int | None = None, rdzv_id: str = "course", max_restarts: int = 0) -> list[str]:
     """The torchrun command line for ``target`` (``['-m', 'module', ...]`` or ``['script.py', ...]``).
+
+    ``max_restarts``: how often torchrun's elastic agent restarts every rank after one fails (lesson 09).
 
     One node: a standalone rendezvous on a free port (``localhost:0``) or on ``port``.
     Several nodes: the same command on every node with ``--nnodes`` and a shared rendezvous endpoint.
@@ -277,7 +279,7 @@ def torchrun_command(target: Sequence[str], nprocs: int, *, nnodes: int = 1, rdz
         cmd += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
     else:
         cmd += ["--standalone"]
-    return cmd + ["--max-restarts=0", "--monitor-interval=0.1", *target]
+    return cmd + [f"--max-restarts={max_restarts}", "--monitor-interval=0.1", *target]
 
 
 class _Streamer:
@@ -332,61 +334,108 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text[-lines:]) or "(empty log)"
 
 
-def _root_cause(launcher_log: Path) -> tuple[int | None, int | None]:
-    """(rank, exit code) of the first failure in torchrun's report, if it printed one."""
-    text = launcher_log.read_text(errors="replace") if launcher_log.exists() else ""
-    _, _, report = text.partition("Root Cause")
-    rank = re.search(r"rank\s*:\s*(\d+)", report)
-    code = re.search(r"exitcode\s*:\s*(-?\d+)", report)
-    return (int(rank.group(1)) if rank else None, int(code.group(1)) if code else None)
+def _torchrun_report(launcher_logs: Sequence[Path]) -> dict[int, int]:
+    """rank -> exit code of every rank that ended on its own, as torchrun's elastic agent reports it.
+
+    The agent prints a "Failures" / "Root Cause" report with ``rank : R (local_rank: L)`` and ``exitcode : C (pid:
+    P)`` per failed worker (a negative code is a signal). Its "Root Cause" is not the rank that died: all failures
+    seen in one poll share a timestamp, so a survivor that already failed in a collective can win the tie. Newer
+    releases also list the workers the agent stopped itself (SIGTERM, SIGKILL after a grace period, logged as
+    "Sending process P closing signal ..."): those are left out, as the rank that died is never among them."""
+    found: dict[int, int] = {}
+    for log in launcher_logs:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        stopped = {int(p) for p in re.findall(r"(?:Sending|Unable to shutdown) process (\d+)", text)}
+        entries = re.finditer(r"^\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?",
+                              text, re.MULTILINE)
+        for m in entries:
+            rank, code, pid = int(m.group(1)), int(m.group(2)), m.group(3)
+            if code == 0 or (int(pid) in stopped if pid and stopped else code == -signal.SIGTERM):
+                continue
+            found[rank] = code
+    return found
+
+
+#: What a signal that ends a rank most often means.
+_SIGNAL_CAUSES = {
+    "SIGKILL": "often the out-of-memory killer; see dmesg",
+    "SIGSEGV": "a crash in C/C++ code or a CUDA error",
+    "SIGABRT": "an abort in C/C++ code (a failed check, an uncaught C++ exception)",
+    "SIGBUS": "a bad memory access in C/C++ code (or /dev/shm is full)",
+    "SIGTERM": "stopped from outside (a scheduler's time limit, kill)",
+}
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    """'was killed by SIGKILL: often the out-of-memory killer; see dmesg', 'exited with code 3 without ...'."""
+    if exitcode is None:
+        return "ended without a result and without a Python traceback"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}: {_SIGNAL_CAUSES.get(name, 'a signal from the system or another process')}"
+    return f"exited with code {exitcode} without a Python traceback (os._exit or a C/C++ abort)"
 
 
 def _failure(result: RunResult, launcher_log: Path, returncode: int | None) -> DistributedRunError:
-    """Build one error that names the rank that failed first and shows its own traceback."""
-    errors = []
-    for r in range(result.nprocs):
+    """Build one error that names the rank that failed first and shows its own traceback (or its log).
+
+    A rank that dies without a Python traceback (os._exit, SIGKILL from the out-of-memory killer, SIGSEGV from
+    C/C++ or CUDA code) writes nothing, while the ranks blocked in a collective with it then raise ("Connection
+    reset by peer") and write their errors, or are stopped by torchrun: the rank to blame is the one that ended,
+    by torchrun's report, with neither a result nor an error. Only when there is none is it the earliest error."""
+    n = result.nprocs
+    errors = {}
+    for r in range(n):
         path = result.run_dir / f"error{r}.json"
         if path.exists():
             try:
-                errors.append(json.loads(path.read_text()))
+                errors[r] = json.loads(path.read_text())
             except ValueError:
                 pass
-    if errors:
-        first = min(errors, key=lambda e: e["time"])
-        others = sorted(e["rank"] for e in errors if e is not first)
-        msg = (f"rank {first['rank']} of {result.nprocs} failed with {first['type']}: {first['message']}\n\n"
-               f"--- traceback of rank {first['rank']} ---\n{first['traceback'].rstrip()}\n")
-        if others:
-            msg += f"\n(ranks {others} failed after it, most likely because rank {first['rank']} left)"
+    ended = _torchrun_report(sorted(launcher_log.parent.glob("launcher*.log")))
+    unfinished = [r for r in range(n) if result.timings[r] is None and r not in errors]   # no result, no error
+    silent = [r for r in unfinished if r in ended]     # ended on their own: they died
+    if silent or not errors:
+        # No Python error to blame: a rank died or the launcher itself failed.
+        rank = (silent or unfinished or [None])[0]
+        if rank is None:
+            msg = (f"the launcher (torchrun) of {n} ranks failed (launcher exit code {returncode})\n"
+                   f"--- last lines of the launcher (torchrun) ---\n{_tail(launcher_log, 20)}\n")
+            return DistributedRunError(msg + f"logs: {result.run_dir}", rank=None, traceback="", partial=result)
+        msg = (f"rank {rank} of {n} {_how_it_ended(ended.get(rank))}\n"
+               f"--- last lines of rank {rank}'s log ---\n{_tail(result.logs[rank], 25)}\n")   # (and faulthandler's)
+        after = [f"ranks {sorted(errors)} then failed in collectives" if errors else "",
+                 f"ranks {[r for r in silent if r != rank]} also died" if len(silent) > 1 else "",
+                 f"ranks {[r for r in unfinished if r not in silent]} were stopped by torchrun"
+                 if len(unfinished) > len(silent) else ""]
+        if any(after):
+            msg += f"\n{' and '.join(a for a in after if a)} because rank {rank} left"
+            if errors:
+                first = errors[min(errors, key=lambda r: errors[r]["time"])]
+                text = (first["message"].splitlines() or [""])[0]
+                msg += f" (rank {first['rank']}: {first['type']}: {text[:150] + '...' if len(text) > 150 else text})"
         msg += f"\nlogs: {result.run_dir}"
-        return DistributedRunError(msg, rank=first["rank"], traceback=first["traceback"], partial=result)
-    # No Python error: a rank died (os._exit, a signal, out of memory) or the launcher itself failed.
-    # torchrun names the first rank that died in its "Root Cause" report.
-    rank, exitcode = _root_cause(launcher_log)
-    if rank is None:
-        missing = [r for r in range(result.nprocs) if result.timings[r] is None]
-        rank = missing[0] if missing else None
-    who = f"rank {rank}" if rank is not None else "the launcher"
-    how = f"exit code {exitcode}" if exitcode is not None else f"launcher exit code {returncode}"
-    if exitcode is not None and exitcode < 0:
-        how = f"killed by signal {signal.Signals(-exitcode).name}"
-    msg = (f"{who} of {result.nprocs} exited without a Python traceback ({how}): "
-           f"it called os._exit, was killed by a signal or ran out of memory.\n")
-    if rank is not None:
-        msg += f"--- last lines of rank {rank}'s log ---\n{_tail(result.logs[rank])}\n"
-    else:
-        msg += f"--- last lines of the launcher (torchrun) ---\n{_tail(launcher_log, 20)}\n"
-    msg += f"logs: {result.run_dir}"
-    return DistributedRunError(msg, rank=rank, traceback="", partial=result)
+        return DistributedRunError(msg, rank=rank, traceback="", partial=result)
+    first = min(errors.values(), key=lambda e: e["time"])
+    others = sorted(r for r in errors if r != first["rank"])
+    msg = (f"rank {first['rank']} of {n} failed with {first['type']}: {first['message']}\n\n"
+           f"--- traceback of rank {first['rank']} ---\n{first['traceback'].rstrip()}\n")
+    if others:
+        msg += f"\n(ranks {others} failed after it, most likely because rank {first['rank']} left)"
+    msg += f"\nlogs: {result.run_dir}"
+    return DistributedRunError(msg, rank=first["rank"], traceback=first["traceback"], partial=result)
 
 
 def _node_commands(target: Sequence[str], nprocs: int, nnodes: int, port: int | None, env: dict,
-                   run_dir: Path) -> list[tuple[list[str], dict]]:
+                   run_dir: Path, max_restarts: int = 0) -> list[tuple[list[str], dict]]:
     """(command, environment) of each torchrun launcher: one, or ``nnodes`` "nodes" on this machine that meet in a
     c10d rendezvous on the loopback address, as real nodes do on the head node's (with GPUs, each node gets its
     own ``nprocs / nnodes`` of them through CUDA_VISIBLE_DEVICES)."""
     if nnodes == 1:
-        return [(torchrun_command(target, nprocs, port=port), env)]
+        return [(torchrun_command(target, nprocs, port=port, max_restarts=max_restarts), env)]
     per_node = nprocs // nnodes
     endpoint = f"127.0.0.1:{port or procs.free_port()}"
     gpus = [str(g) for g in range(_gpu_count())]
@@ -406,8 +455,18 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _let_the_others_report(launchers: list, grace_s: float = 2.0) -> None:
+    """After one node's launcher failed, give the other nodes' launchers a moment to end on their own: each prints
+    torchrun's report of its own ranks, and the rank that died (`_failure`) may be on a node other than the one
+    whose launcher ended first. A launcher whose ranks still wait is killed after ``grace_s``."""
+    deadline = time.perf_counter() + grace_s
+    while len(launchers) > 1 and any(p.poll() is None for p in launchers) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+
+
 def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, env: dict | None,
-            stream: bool, run_dir: Path, port: int | None, threads: int, nnodes: int = 1) -> RunResult:
+            stream: bool, run_dir: Path, port: int | None, threads: int, nnodes: int = 1,
+            max_restarts: int = 0) -> RunResult:
     tag = procs.new_tag("launch")
     launcher_log = run_dir / "launcher.log"
     launch_time = time.time()
@@ -415,7 +474,7 @@ def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, 
     streamer = _Streamer(run_dir / "rank0.log", stream)
     launchers = []
     for node, (cmd, node_env) in enumerate(_node_commands(target, nprocs, nnodes, port,
-                                                          _child_env(env, threads, tag), run_dir)):
+                                                          _child_env(env, threads, tag), run_dir, max_restarts)):
         log = launcher_log if node == 0 else run_dir / f"launcher{node}.log"
         with open(log, "wb") as out:
             launchers.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -427,6 +486,7 @@ def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, 
         while True:
             codes = [p.poll() for p in launchers]
             if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+                _let_the_others_report(launchers)
                 break                          # all launchers done, or one failed (its ranks are gone)
             time.sleep(0.05)
             streamer.pump()
@@ -601,13 +661,15 @@ def run_nodes(fn: Callable, nnodes: int, nproc_per_node: int, *, args: Sequence 
 
 def run_script(path: str | os.PathLike, nprocs: int, args: Sequence[str] = (), *, timeout_s: float = 600.0,
                env: dict | None = None, stream: bool = True, port: int | None = None,
-               print_command: bool = False, nnodes: int = 1) -> RunResult:
+               print_command: bool = False, nnodes: int = 1, max_restarts: int = 0) -> RunResult:
     """Run a Python script under torchrun the same way as `run` (logs, timeout, clean-up).
 
     The script initialises its own process group (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, ...).
     Its output goes to ``rank{R}.log`` in the run folder; rank 0's is streamed.
     ``print_command=True`` prints the torchrun command to run it by hand, and the form for ``nnodes`` nodes.
     ``returns`` are None for scripts: read results from files the script writes.
+    ``max_restarts``: torchrun restarts every rank up to this many times after one fails (``--max-restarts``);
+    the script must resume from its own checkpoint (lesson 09's `course_lib.train` does).
     """
     nprocs = _validate_nprocs(nprocs)
     script = Path(path)
@@ -621,4 +683,7 @@ def run_script(path: str | os.PathLike, nprocs: int, args: Sequence[str] = (), *
     threads = max(1, procs.usable_cores() // nprocs)
     run_dir = _new_run_dir()
     wrapper = ["-m", "course_lib._script", str(run_dir), str(script.resolve()), *map(str, args)]
-    return _launch(wrapper, nprocs, "script", timeout_s, env, stream, run_dir, port, threads)
+    if not (isinstance(max_restarts, int) and max_restarts >= 0):
+        raise LaunchError(f"max_restarts={max_restarts!r} must be an int >= 0")
+    return _launch(wrapper, nprocs, "script", timeout_s, env, stream, run_dir, port, threads,
+                   max_restarts=max_restarts)

@@ -12,6 +12,11 @@
     zero.py                ZeRO stages 1-3 (apply_zero / ZeroOptimizer)                      lesson 05
     precision.py           number formats, dynamic loss scaling, fp32 master weights         lesson 06
     checkpointing.py       activation checkpointing, full and selective                      lesson 07
+    three_d.py             data x pipeline x tensor parallel on one process grid             lesson 08
+    three_d_torch.py       the same with DeviceMesh, DTensor, FSDP2 and torch pipelining     lesson 08
+    schedules.py           learning-rate warm-up, cosine decay, layer-wise rates             lesson 09
+    clipping.py            global gradient-norm clipping across replicas and shards          lesson 09
+    dist_checkpoint.py     distributed checkpoints (DCP, DeepSpeed): bit-exact resume        lesson 09
 
 Nothing here imports `course_lib.lessons` or `course_lib.grading`: the lessons' experiments, graded checks and
 reports live in `course_lib.lessons`, one folder per lesson.

@@ -9,11 +9,12 @@
 - :mod:`course_lib.theory.tensor`: collectives, parameters and activations per rank under tensor and sequence
   parallelism (lesson 04).
 - :mod:`course_lib.theory.savers`: activation checkpointing, accumulation and attention memory (lesson 07).
+- :mod:`course_lib.theory.practice`: GPU-hours and money of a run, the optimum checkpoint interval (lesson 09).
 
 Every formula is checked against a measurement in the tests. ``from course_lib import theory`` gives them all:
 ``theory.memory.zero_model_state_bytes(...)``.
 """
 
-from course_lib.theory import comm, flops, memory, pipeline, savers, tensor
+from course_lib.theory import comm, flops, memory, pipeline, practice, savers, tensor
 
-__all__ = ["comm", "flops", "memory", "pipeline", "savers", "tensor"]
+__all__ = ["comm", "flops", "memory", "pipeline", "practice", "savers", "tensor"]
