@@ -8,9 +8,14 @@ connects to the launcher's socket and runs one job after another. For each job t
 process back in the state a fresh one starts in (`Baseline.restore`) and answers ``ready`` (or
 ``ready retire`` when something could not be put back: the launcher then retires the pool after this run).
 
-A job that raises writes its error and exits the process, as a fresh rank would: torchrun then stops the other
-ranks and the launcher reports the failure and discards the pool. When the launcher goes away (the kernel
-exits or is killed), the socket closes or the launcher's pid disappears, and every rank exits at once.
+A job that raises a Python exception writes its error as a fresh rank would. Under gloo the rank then stays: it
+answers ``failed``, destroys every process group it is in (its connections close, so a peer blocked on it fails at
+once, as it would if the rank had exited), and joins a new default group with the other ranks (a store prefix of
+its own per run, so no stale address is read): the launcher reports the error and keeps the pool, and a learner's
+next run does not pay a start-up. A rank that cannot rejoin (a peer still blocked) is killed with the pool after a
+grace period (`course_lib.launch`). Under NCCL, and on KeyboardInterrupt or SystemExit, the rank exits: torchrun
+then stops the other ranks and the launcher discards the pool. When the launcher goes away (the kernel exits or
+is killed), the socket closes or the launcher's pid disappears, and every rank exits at once.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class Baseline:
         import torch.distributed.distributed_c10d as c10d
 
         self.threads = threads
+        self.store = c10d._get_default_store()            # torchrun's store: a new default group meets there
         # A fresh process starts torch's generators from torch's fixed default seed (older releases) or from a
         # random one (newer releases): a job gets the same.
         self.seed = torch.initial_seed() if torch.initial_seed() == TORCH_DEFAULT_SEED else None
@@ -168,6 +174,41 @@ class Baseline:
             torch.cuda.empty_cache()
         return problems
 
+    def leave_world(self) -> None:
+        """After a failed job: destroy every process group, the default one too. The rank's connections close, so a
+        peer blocked on it in a collective fails now instead of waiting forever."""
+        import gc
+
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        groups, pg = list(c10d._world.pg_map), None
+        for pg in groups:
+            if pg is not c10d._world.default_pg:
+                try:
+                    dist.destroy_process_group(pg)
+                except Exception:  # noqa: BLE001, S110 - a broken group: dropping it is all that is left to do
+                    pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._forget(groups)
+        del groups, pg
+        self.groups = set()       # the last references: a group's connections close when it is freed
+        gc.collect()
+
+    def rejoin_world(self, backend: str, key: str, timeout_s: float) -> None:
+        """A new default group of every rank, met under the store prefix ``key`` (one per failed run)."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        dist.init_process_group(backend, store=dist.PrefixStore(f"course-pool-rejoin/{key}", self.store),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timedelta(seconds=timeout_s))
+        wait_for_every_rank(backend)
+        self.groups = set(c10d._world.pg_map)
+
     @staticmethod
     def _forget(destroyed: list) -> None:
         """Clear module globals that still point to a destroyed group, or to a DeviceMesh built on one."""
@@ -263,6 +304,7 @@ def main() -> int:
         # The first job of a pool paid for the process start, imports and rendezvous; later ones did not.
         timings = dict(startup) if first else {"process_start": now, "imports_done": now, "rendezvous_done": now}
         first = False
+        failed = False
         try:
             baseline.prepare(spec["cwd"])
             from course_lib._worker import run_job
@@ -271,11 +313,24 @@ def main() -> int:
             # Every rank is done before any destroys the run's groups: a slower rank may still be connecting to
             # this one in a group the function made (gloo's connectFullMesh), as in `_worker.main`.
             wait_for_every_rank(settings["backend"])
-        except BaseException as exc:  # noqa: BLE001 - reported as a fresh rank reports it, then this rank exits
+        except Exception as exc:  # noqa: BLE001 - reported as a fresh rank reports it; under gloo the rank stays
             report_failure(run_dir, rank, exc)
+            failed = True
+        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt, SystemExit: the rank exits
+            report_failure(run_dir, rank, exc)
+            failed = None
+        if failed is None or (failed and settings["backend"] != "gloo"):
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
+        if failed:                           # (outside the except block: the traceback's frames are gone)
+            sock.sendall(b"failed\n")
+            try:
+                baseline.leave_world()
+                baseline.rejoin_world(settings["backend"], os.path.basename(run_dir), settings["pg_timeout_s"])
+            except BaseException as exc:  # noqa: BLE001 - the pool cannot go on: the launcher discards it
+                print(f"pool: could not rejoin after a failed run: {exc!r}", flush=True)
+                os._exit(1)
         problems = baseline.restore()
         if problems:
             print("pool: retiring after this run:", "; ".join(problems), flush=True)

@@ -466,7 +466,7 @@ def _let_the_others_report(launchers: list, grace_s: float = 2.0) -> None:
 
 def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, env: dict | None,
             stream: bool, run_dir: Path, port: int | None, threads: int, nnodes: int = 1,
-            max_restarts: int = 0) -> RunResult:
+            max_restarts: int = 0, on_poll: Callable[[], None] | None = None) -> RunResult:
     tag = procs.new_tag("launch")
     launcher_log = run_dir / "launcher.log"
     launch_time = time.time()
@@ -490,6 +490,8 @@ def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, 
                 break                          # all launchers done, or one failed (its ranks are gone)
             time.sleep(0.05)
             streamer.pump()
+            if on_poll is not None:
+                on_poll()
             now = time.perf_counter()
             if now - t0 > timeout_s:
                 state = "timeout"
@@ -544,10 +546,18 @@ def _outcome(state: str, result: RunResult, launcher_log: Path, returncode: int 
     return result
 
 
+#: After a rank of a warm pool reports a failed run, how long the others may take to fail too (a peer blocked on it in
+#: a collective fails at once, when its connections close) and to rejoin; then the pool is shut down, as torchrun
+#: stops the survivors of a fresh run.
+REJOIN_GRACE_S = 5.0
+
+
 def _launch_pooled(warm: "pool_mod.Pool", nprocs: int, backend: str, timeout_s: float, stream: bool,
                    run_dir: Path, threads: int) -> RunResult:
     """Run the job in ``run_dir`` on a warm pool: the same files, errors and guarantees as `_launch`.
-    A pool that fails, times out, is interrupted or asks to retire is shut down; the next run starts a new one."""
+    A pool whose ranks raised and rejoined a new process group (gloo) is kept; one that dies, times out, is
+    interrupted, asks to retire, or whose failed run leaves a rank unaccounted for ``REJOIN_GRACE_S`` is shut down,
+    and the next run starts a new one."""
     launch_time = time.time()
     t0 = time.perf_counter()
     streamer = _Streamer(run_dir / "rank0.log", stream)
@@ -560,9 +570,11 @@ def _launch_pooled(warm: "pool_mod.Pool", nprocs: int, backend: str, timeout_s: 
             status = warm.wait(0.05)
             streamer.pump()
             if status == "ready":
-                state = "done"
+                state = "failed" if warm.failed else "done"
             elif status == "dead":
                 state = "failed"
+            elif warm.failed and time.perf_counter() - warm.first_failure > REJOIN_GRACE_S:
+                state = "stuck"            # a rank neither failed nor finished: blocked for good, or slow
             elif time.perf_counter() - t0 > timeout_s:
                 state = "timeout"
     except KeyboardInterrupt:
@@ -576,8 +588,10 @@ def _launch_pooled(warm: "pool_mod.Pool", nprocs: int, backend: str, timeout_s: 
                                   partial=_collect(run_dir, nprocs, backend, time.perf_counter() - t0,
                                                    launch_time, threads)) from None
     try:
-        if state != "done" or warm.retire:
+        kept = state == "failed" and warm.alive() and len(warm.ready) == nprocs
+        if (state != "done" and not kept) or warm.retire:
             warm.shutdown()
+            state = "failed" if state == "stuck" else state
             if state == "failed":          # torchrun has exited: its log names the rank that died
                 state = "done" if all((run_dir / f"result{r}.pkl").exists() for r in range(nprocs)) else state
         streamer.pump()
@@ -586,7 +600,8 @@ def _launch_pooled(warm: "pool_mod.Pool", nprocs: int, backend: str, timeout_s: 
     wall = time.perf_counter() - t0
     result = _collect(run_dir, nprocs, backend, wall, launch_time, threads)
     result.pooled = True
-    returncode = warm.proc.returncode if warm.proc is not None and state == "failed" else 0
+    ended = warm.proc is not None and warm.proc.poll() is not None
+    returncode = warm.proc.returncode if ended and state == "failed" else 0
     return _outcome(state, result, warm.launcher_log, returncode, timeout_s)
 
 
@@ -661,7 +676,8 @@ def run_nodes(fn: Callable, nnodes: int, nproc_per_node: int, *, args: Sequence 
 
 def run_script(path: str | os.PathLike, nprocs: int, args: Sequence[str] = (), *, timeout_s: float = 600.0,
                env: dict | None = None, stream: bool = True, port: int | None = None,
-               print_command: bool = False, nnodes: int = 1, max_restarts: int = 0) -> RunResult:
+               print_command: bool = False, nnodes: int = 1, max_restarts: int = 0,
+               on_poll: Callable[[], None] | None = None) -> RunResult:
     """Run a Python script under torchrun the same way as `run` (logs, timeout, clean-up).
 
     The script initialises its own process group (torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, ...).
@@ -670,6 +686,8 @@ def run_script(path: str | os.PathLike, nprocs: int, args: Sequence[str] = (), *
     ``returns`` are None for scripts: read results from files the script writes.
     ``max_restarts``: torchrun restarts every rank up to this many times after one fails (``--max-restarts``);
     the script must resume from its own checkpoint (lesson 09's `course_lib.train` does).
+    ``on_poll``: called in this thread every 50 ms while the script runs (e.g. to follow a file it writes and
+    redraw a plot); Ctrl-C or an error it raises stops the run and kills its processes.
     """
     nprocs = _validate_nprocs(nprocs)
     script = Path(path)
@@ -686,4 +704,4 @@ def run_script(path: str | os.PathLike, nprocs: int, args: Sequence[str] = (), *
     if not (isinstance(max_restarts, int) and max_restarts >= 0):
         raise LaunchError(f"max_restarts={max_restarts!r} must be an int >= 0")
     return _launch(wrapper, nprocs, "script", timeout_s, env, stream, run_dir, port, threads,
-                   max_restarts=max_restarts)
+                   max_restarts=max_restarts, on_poll=on_poll)

@@ -10,8 +10,10 @@ run.
     pool.enabled()        # False under COURSE_POOL=0, inside a rank, or in the grader's kernels
     pool.shutdown_all()   # what happens anyway when the kernel or the test session exits
 
-A pool is used by one run at a time (a second, concurrent run starts fresh processes), is discarded after a
-run that fails, times out or is interrupted, and goes away with its owner: at exit, and if the owner is killed,
+A pool is used by one run at a time (a second, concurrent run starts fresh processes). A run whose function raised
+on gloo ranks keeps the pool: the ranks rebuild their process group and the next run starts at once
+(`course_lib._pool_worker`); a run that dies without a Python exception, hangs, times out, is interrupted or
+fails on NCCL discards it. A pool goes away with its owner: at exit, and if the owner is killed,
 because every rank watches its socket to the owner and exits when it closes. ``launch.run(fresh=True)`` skips
 the pool for runs that must measure a fresh process (start-up time, peak memory of a new process, faults).
 """
@@ -62,6 +64,8 @@ class Pool:
         self.conns: dict[int, socket.socket] = {}
         self.buffers: dict[int, bytes] = {}
         self.ready: set[int] = set()
+        self.failed: set[int] = set()         # ranks whose function raised in the current run
+        self.first_failure: float | None = None
         self.retire = False
         self.last_used = time.monotonic()
         self.tag = procs.new_tag("pool")
@@ -133,6 +137,8 @@ class Pool:
     def submit(self, run_dir: Path, cwd: str) -> None:
         """Send one run to every rank."""
         self.ready.clear()
+        self.failed.clear()
+        self.first_failure = None
         line = ("job " + json.dumps({"run_dir": str(run_dir), "cwd": cwd}) + "\n").encode()
         for conn in self.conns.values():
             conn.setblocking(True)
@@ -140,8 +146,8 @@ class Pool:
             conn.setblocking(False)
 
     def wait(self, timeout: float) -> str:
-        """'ready' when every rank has finished the run and cleaned up, 'dead' when torchrun has exited,
-        'running' otherwise (after waiting at most ``timeout`` seconds)."""
+        """'ready' when every rank has finished the run and cleaned up (those in ``failed`` after rejoining a new
+        process group), 'dead' when torchrun has exited, 'running' otherwise (after waiting at most ``timeout`` s)."""
         for key, _ in self._selector.select(timeout):
             rank = key.data
             try:
@@ -160,6 +166,9 @@ class Pool:
                 if words and words[0] == "ready":
                     self.ready.add(rank)
                     self.retire = self.retire or "retire" in words
+                elif words and words[0] == "failed":
+                    self.failed.add(rank)
+                    self.first_failure = self.first_failure or time.perf_counter()
         if len(self.ready) == self.nprocs:
             return "ready"
         return "dead" if self.proc.poll() is not None else "running"

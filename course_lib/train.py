@@ -395,15 +395,16 @@ def check(config: str | Path, nprocs: int, overrides: dict | None = None):
 
 
 def launch(config: str | Path, nprocs: int, overrides: dict | None = None, *, max_restarts: int = 0,
-           timeout_s: float = 600.0, stream: bool = True):
+           timeout_s: float = 600.0, stream: bool = True, on_poll=None):
     """Validate, then run ``python -m course_lib.train --config CONFIG`` under torchrun on ``nprocs`` ranks (from a
-    notebook or a test). Returns (`launch.RunResult`, the record rank 0 wrote)."""
+    notebook or a test). Returns (`launch.RunResult`, the record rank 0 wrote). ``on_poll`` as in
+    `launch.run_script` (lesson 09 follows the metrics file with it)."""
     from course_lib import launch as launcher
 
     cfg, _ = check(config, nprocs, overrides)
     args = ["--config", str(config)] + [f"--set={k}={json.dumps(v)}" for k, v in (overrides or {}).items()]
     result = launcher.run_script(Path(__file__), nprocs, args, timeout_s=timeout_s, stream=stream,
-                                 max_restarts=max_restarts)
+                                 max_restarts=max_restarts, on_poll=on_poll)
     return result, json.loads((cfg.out_dir / "result.json").read_text())
 
 

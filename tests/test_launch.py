@@ -214,6 +214,25 @@ def test_run_script_failure_names_rank(tmp_path):
         run_script(tmp_path / "nope.py", 2)
 
 
+def test_run_script_polls_and_an_error_in_the_poll_stops_the_run(tmp_path):
+    """``on_poll`` runs in the caller's thread while the script runs (lesson 09 follows a metrics file with it); what
+    it raises stops the run, and its processes with it."""
+    script = tmp_path / "slow.py"
+    seen = tmp_path / "seen"
+    script.write_text(f"import time\nopen({str(seen)!r}, 'w').write('started')\ntime.sleep(600)\n")
+    calls = []
+
+    def poll():
+        calls.append(time.perf_counter())
+        if seen.exists():
+            raise KeyError("the plot broke")
+
+    t0 = time.perf_counter()
+    with pytest.raises(KeyError, match="the plot broke"):
+        run_script(script, 2, timeout_s=300, stream=False, on_poll=poll)
+    assert len(calls) >= 2 and time.perf_counter() - t0 < 120
+
+
 def test_kill_tree_catches_escaped_orphans():
     """A double fork escapes the tree; the tag still finds it."""
     import subprocess
