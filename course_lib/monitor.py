@@ -144,7 +144,7 @@ class LivePlot:
         ncols = min(ncols, len(self.metrics))
         nrows = math.ceil(len(self.metrics) / ncols)
         self._fig = Figure(figsize=(3.2 * ncols, 2.4 * nrows), layout="constrained")
-        self._fig.suptitle(title)
+        self._fig.suptitle(title, fontsize=9)
         axes = self._fig.subplots(nrows, ncols, squeeze=False).ravel()
         self._axes = dict(zip(self.metrics, axes))
         for ax in axes[len(self.metrics):]:

@@ -22,6 +22,7 @@ from course_lib.data import random_batches
 from course_lib.dist import ProcessGrid
 from course_lib.launch import run
 from course_lib.lessons.common import grads_of, relative_error, shard_batch, small_config
+from course_lib.lessons.l09_training.experiments import dp_tp_gradients
 from course_lib.model import build_model
 from course_lib.parallel.clipping import (clip_grad_norm_, clip_grads_with_norm_, global_grad_norm,
                                           param_grad_parts, tensor_parallel_grad_parts, zero_grad_parts)
@@ -94,13 +95,9 @@ def _rank_pp_tp(x, y, ref) -> dict:
 def rank_dp_tp(x, y, ref, ref_pp) -> dict:
     """DP 2 x TP 2: this rank's rows, gradients averaged over dp, norms of the TP parts; then clipped. The same with
     sequence parallelism, and PP 2 x TP 2."""
-    grid = ProcessGrid(dp=2, tp=2)
+    model, grid, parts = dp_tp_gradients(CFG, x, y)           # (lesson 09's: its exercise checks the same way)
     tp, dp, dev = grid.group("tp"), grid.group("dp"), cdist.device()
-    model = apply_tensor_parallel(build_model(CFG, seed=0).to(dev), tp)
-    xs, ys = (shard_batch(t, grid.coord("dp"), 2).to(dev) for t in (x, y))
-    model.loss(xs, ys).backward()
-    average_gradients(model, group=dp)
-    parts = tensor_parallel_grad_parts(model, tp)
+    xs, ys = (shard_batch(t, grid.coord("dp"), 2).to(dev) for t in (x, y))    # for the SP model below
     out = {"grad_err": relative_error(grads_of(model), shard_like(model, ref["grads"], tp)),
            "norms": {p: global_grad_norm(parts, p).item() for p in (1.0, 2.0, INF)},
            "n_replicated": sum(spec is None for _, spec in parts),

@@ -59,17 +59,20 @@ def graded(tmp_path_factory):
     os.environ["GRADING_FIXTURE_TAMPER"] = str(tamper_solutions / "fx_basics.ipynb")
 
     fast = dict(cell_timeout=10, total_timeout=120)
+    # The course's own notebooks (no student code) share warm ranks, as in a learner's kernel: the solutions and
+    # their stubs grade in about half the time. Every submission a student could write (hostile/, lesson00/, the
+    # CLI's class) is graded as `course grade` does, each run on fresh ranks.
+    course_notebook = dict(cell_timeout=600, total_timeout=1800, warm_ranks=True)
     jobs = {}
     for stem in LESSONS:
-        jobs[f"solution:{stem}"] = (SOLUTIONS / f"{stem}.ipynb", SOLUTIONS, dict(cell_timeout=600, total_timeout=1800))
+        jobs[f"solution:{stem}"] = (SOLUTIONS / f"{stem}.ipynb", SOLUTIONS, dict(course_notebook))
     # The student copies as `course build` generates them now (committed staleness: test_build_check_*).
     (tmp / "exercises").mkdir()
     for name, text in gbuild.expected_files(SOLUTIONS).items():
         if Path(name).stem not in LESSONS:
             continue
         (tmp / "exercises" / name).write_text(text)
-        jobs[f"exercise:{Path(name).stem}"] = (tmp / "exercises" / name, SOLUTIONS,
-                                               dict(cell_timeout=600, total_timeout=1800))
+        jobs[f"exercise:{Path(name).stem}"] = (tmp / "exercises" / name, SOLUTIONS, dict(course_notebook))
     for nb in sorted((FIX / "hostile").glob("*.ipynb")):
         sols = tamper_solutions if nb.stem == "tamper" else FX_SOLUTIONS
         jobs[f"hostile:{nb.stem}"] = (nb, sols, fast)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 import tokenize
 from pathlib import Path
@@ -19,6 +20,8 @@ from course_lib.config import get_preset
 from course_lib.dist import GridLayout
 from course_lib.grading.check import CheckFailed, answer_digest, check_answer
 from course_lib.lessons.quizzes import QUIZZES, quiz, score
+from course_lib.parallel import schedules
+from course_lib.theory import practice
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,6 +42,9 @@ EXPECTED = {
            "q3": theory.savers.recompute_flops_ratio(1.0)},
     "08": {"q1": max(GridLayout(dp=4, pp=2, tp=8).members(21, "pp")), "q2": theory.pipeline.bubble_fraction(8, 32),
            "q3": (2 + 2 + 12 / 12) * 175e9 / (8 * 16) / 1e9},
+    "09": {"q1": schedules.warmup_cosine(301_000, peak_lr=6e-4, warmup_steps=2000, total_steps=600_000, min_lr=6e-5),
+           "q2": practice.young_daly_interval(120, practice.job_mtbf(50_000 * 3600, 16384)) / 60,
+           "q3": math.sqrt(8)},
 }
 
 

@@ -224,7 +224,7 @@ def _sandboxing(sandboxed: bool | None, limits: sandbox.Limits | None) -> tuple[
 
 
 def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, output_limit: int,
-         caps: dict | None = None, hidden: tuple[Path, ...] = ()) -> dict:
+         caps: dict | None = None, hidden: tuple[Path, ...] = (), warm_ranks: bool = False) -> dict:
     """Run the runner on ``assembled`` in ``workdir``: in the sandbox with ``caps`` (see `_sandboxing`), where
     the folders ``hidden`` must not be visible, or plainly when ``caps`` is None."""
     nbio.write(assembled, workdir / "graded.ipynb")
@@ -232,8 +232,10 @@ def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, ou
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     # COURSE_POOL=0: every run of a graded notebook starts fresh ranks. Warm ranks would carry what a student's
-    # own run did to them (a patched torch function) into the runs of the official test cells.
-    env.update({procs.TAG_VAR: tag, "MPLBACKEND": "Agg", "COURSE_RUNS_DIR": str(workdir / "runs"), "COURSE_POOL": "0",
+    # own run did to them (a patched torch function) into the runs of the official test cells. Only notebooks
+    # the course wrote itself may share warm ranks (`warm_ranks`), at most 4 kept (the sandbox's memory cap).
+    pool_env = {"COURSE_POOL": "1", "COURSE_POOL_MAX_RANKS": "4"} if warm_ranks else {"COURSE_POOL": "0"}
+    env.update({procs.TAG_VAR: tag, "MPLBACKEND": "Agg", "COURSE_RUNS_DIR": str(workdir / "runs"), **pool_env,
                 "PYTHONPATH": os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p),
                 "PYDEVD_DISABLE_FILE_VALIDATION": "1", "JUPYTER_PLATFORM_DIRS": "1"})
     cmd = [sys.executable, "-m", "course_lib.grading.runner", str(workdir / "plan.json")]
@@ -287,13 +289,16 @@ def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, ou
 def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solutions", *,
                      cell_timeout: float = DEFAULT_CELL_TIMEOUT, total_timeout: float = DEFAULT_TOTAL_TIMEOUT,
                      output_limit: int = DEFAULT_OUTPUT_LIMIT, keep: bool = False, sandboxed: bool | None = None,
-                     limits: sandbox.Limits | None = None) -> dict:
+                     limits: sandbox.Limits | None = None, warm_ranks: bool = False) -> dict:
     """Grade one notebook. Returns {submission, lesson, status, points, max, exercises: [...], sandbox, ...}.
 
     ``status`` is ``graded`` or ``unreadable`` (with ``error``). ``sandboxed``: None runs the submission in
     the sandbox where it can run (``sandbox`` in the result says ``off: <why>`` where not), True requires it,
-    False turns it off. ``limits``: its caps (default `sandbox.Limits()`). Raises `GraderError` when the
-    grader itself fails.
+    False turns it off. ``limits``: its caps (default `sandbox.Limits()`). ``warm_ranks=True`` lets the
+    notebook's runs share warm ranks (`course_lib.pool`), as in a learner's own kernel: only for notebooks the
+    course wrote (tests/test_grading.py grades the solutions and their generated student copies so); a
+    submission's own runs could leave state in warm ranks for the official tests' runs, so `course grade` never
+    sets it. Raises `GraderError` when the grader itself fails.
     """
     path = Path(path)
     if not isinstance(solutions, Solutions):
@@ -316,7 +321,7 @@ def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solu
     try:
         shutil.copyfile(path, workdir / "submission.ipynb")
         hidden = (solutions.folder, path.parent, Path.home())
-        record = _run(assembled, workdir, cell_timeout, total_timeout, output_limit, caps, hidden)
+        record = _run(assembled, workdir, cell_timeout, total_timeout, output_limit, caps, hidden, warm_ranks)
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)

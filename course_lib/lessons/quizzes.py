@@ -62,6 +62,11 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
         "q2": ("0739b6e4e9630569afaa6cac", 0.01, "lesson 03, section 5: the bubble of 1F1B is GPipe's"),
         "q3": ("358257b6ae408c0487d73b1a", 0.02, "section 3: divide by tp x pp, then ZeRO-1's row of lesson 05"),
     },
+    "09": {
+        "q1": ("1d12243f4b588296d24965d0", 0.01, "section 1: where s stands in the cosine, after the warm-up"),
+        "q2": ("2f1e96df65472ce0172d321c", 0.02, "section 5.2: the job's MTBF is the GPU's over G; sqrt(2 delta M)"),
+        "q3": ("c6fcae8e3651b48ae8ddd344", 0.01, "section 2: the same gradient added dp times under the square root"),
+    },
 }
 
 

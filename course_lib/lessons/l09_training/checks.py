@@ -1,0 +1,393 @@
+"""What the graded exercises of lesson 09 call (solutions/09_training_in_practice.ipynb).
+
+Each ``check_*`` runs the learner's code against the course's reference (`parallel.schedules`, `parallel.clipping`,
+`alerts`, one uninterrupted training run) and raises ``course_lib.grading.check.CheckFailed`` (one line: what,
+expected, got, a hint) at the first difference. Only `check_global_norm` starts processes (4 gloo ranks, one
+launch); the others run in the notebook's process in well under a second. tests/test_training_checks.py calls them
+on wrong variants.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from course_lib.alerts import AlertEngine, Rule
+from course_lib.data import random_batches
+from course_lib.grading.check import check_close, check_equal, check_true
+from course_lib.launch import run
+from course_lib.lessons.common import grads_of, params_of, relative_error, small_config
+from course_lib.lessons.l09_training.experiments import dp_tp_gradients, one_process_clip
+from course_lib.model import build_model
+from course_lib.parallel import schedules
+
+__all__ = ["SCHEDULE_SETTINGS", "check_schedule", "NORM_CFG", "MAX_NORM", "norm_reference", "check_global_norm",
+           "ALERT_CASES", "alert_reference", "check_alert_rule", "RESUME_CFG", "check_resume"]
+
+
+# ------------------------------------------------------------------------------ 09-schedule
+
+PEAK = 3e-4
+SCHEDULE_SETTINGS = (  # (warmup_steps, total_steps, min_lr): no warm-up, W = 1, 2, W = T, long and short runs
+    (0, 10, 0.0), (1, 12, 3e-5), (2, 10, 0.0), (3, 3, 0.0), (5, 40, 0.0), (5, 40, 3e-5), (10, 200, 3e-5),
+    (100, 1000, 3e-5))
+SCHEDULE_RTOL = 1e-9                        # closed forms written another way agree to ~1e-16; torch's recursion 1e-12
+
+
+def _schedule_hint(s: int, w: int, t: int) -> str:
+    e = max(w, 1) - 1
+    if s == 0:
+        return ("step 0 is the first update and already moves the weights: peak_lr / W (W = 0 or 1: no warm-up, "
+                "the peak at once)")
+    if s < e:
+        return "warm-up: peak_lr * (step + 1) / W"
+    if s == e:
+        return "the peak is used once, at step W - 1 (step 0 when W is 0 or 1)"
+    if s < t:
+        return ("the cosine starts at the peak step e = max(W, 1) - 1 and reaches min_lr at total_steps: "
+                "progress (s - e) / (T - e)")
+    return "from total_steps on the rate stays at min_lr (a cosine alone would rise again)"
+
+
+def check_schedule(lr_fn: Callable, settings=SCHEDULE_SETTINGS) -> list[dict]:
+    """``lr_fn(step, peak_lr, warmup_steps, total_steps, min_lr)`` equals `schedules.warmup_cosine` at every step
+    from 0 to 15 past the end (warm-up, peak, cosine, floor) of each setting; then, as the factor of a ``LambdaLR``,
+    the rate of every optimizer update equals torch's ``LinearLR`` + ``CosineAnnealingLR`` + ``ConstantLR`` in a
+    ``SequentialLR`` (`schedules.torch_warmup_cosine`)."""
+    out = []
+    for w, t, m in settings:
+        n = t + 15
+        kw = dict(peak_lr=PEAK, warmup_steps=w, total_steps=t, min_lr=m)
+        want = [schedules.warmup_cosine(s, **kw) for s in range(n)]
+        got = []
+        for s in range(n):
+            lr = lr_fn(s, PEAK, w, t, m)
+            check_true(f"lr_fn({s}, W={w}, T={t}) returns a number (got {type(lr).__name__})",
+                       isinstance(lr, (int, float)) or (torch.is_tensor(lr) and lr.numel() == 1),
+                       hint="return a Python float")
+            got.append(float(lr))
+        for s in range(n):
+            check_close(f"lr at step {s} (W={w}, T={t}, min_lr={m:g})", got[s], want[s], rtol=SCHEDULE_RTOL,
+                        atol=1e-18, hint=_schedule_hint(s, w, t))
+        # the learner's function as a LambdaLR factor, stepped as a loop steps it, against torch's own composition
+        p1, p2 = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+        opt_own, opt_torch = torch.optim.SGD([p1], lr=PEAK), torch.optim.SGD([p2], lr=1.0)
+        own = torch.optim.lr_scheduler.LambdaLR(opt_own, lambda s: lr_fn(s, PEAK, w, t, m) / PEAK)
+        ref = schedules.torch_warmup_cosine(opt_torch, **kw)
+        for s in range(n):
+            check_close(f"LambdaLR on lr_fn vs torch's LinearLR + CosineAnnealingLR at update {s} (W={w}, T={t})",
+                        opt_own.param_groups[0]["lr"], opt_torch.param_groups[0]["lr"], rtol=SCHEDULE_RTOL,
+                        atol=1e-18, hint=_schedule_hint(s, w, t))
+            opt_own.step(), opt_torch.step(), own.step(), ref.step()
+        out.append(dict(warmup=w, total=t, min_lr=m, steps=n, peak_step=max(w, 1) - 1, lrs=got))
+    return out
+
+
+# ------------------------------------------------------------------------------ 09-global-norm
+
+NORM_CFG = small_config()            # vocab 64, T 16, 2 layers, 2 heads, d_model 32: tp = 2 divides it
+NORM_BATCH = 4                       # global batch: 2 rows per data-parallel rank
+MAX_NORM = 0.05                      # well below the gradient norm (~1): clipping happens
+NORM_RTOL = 1e-5                     # fp32 sums of ~30k squares in another order: ~1e-7 measured
+GRAD_RTOL = 2e-6                     # TP gradients vs one process (tests/test_clipping.py); eps or not: 1e-6
+
+
+def norm_reference(seed: int = 0) -> dict:
+    """One process on the global batch: the batch, the norm and the gradients clipped by
+    ``torch.nn.utils.clip_grad_norm_``."""
+    x, y = random_batches(NORM_CFG, NORM_BATCH, steps=1, seed=seed)[0]
+    return {"x": x, "y": y, **one_process_clip(NORM_CFG, x, y, MAX_NORM)}
+
+
+def _rank_global_norm(clip_fn: Callable, x, y, clipped: dict) -> dict:
+    """DP 2 x TP 2: this rank's rows, gradients averaged over dp; the learner's norm with a max_norm that does not
+    clip, then with MAX_NORM; what the typical mistakes would give, for the hint."""
+    from course_lib.parallel.clipping import global_grad_norm
+    from course_lib.parallel.tensor_model import shard_like
+
+    model, grid, parts = dp_tp_gradients(NORM_CFG, x, y)
+    tp, dp = grid.group("tp"), grid.group("dp")
+    sharded = [g for g, spec in parts if spec is not None]
+    replicated = [g for g, spec in parts if spec is None]
+    out = {"n_sharded": len(sharded), "n_replicated": len(replicated),
+           "wrong": {"the replicated gradients counted on every TP rank (summed over the tp group)":
+                     global_grad_norm([(g, tp) for g, _ in parts]).item(),
+                     "everything summed over all 4 ranks (no group given: dp replicas twice, replicated 4 times)":
+                     global_grad_norm([(g, (tp, dp)) for g, _ in parts]).item(),
+                     "the shards summed over all 4 ranks: the dp replicas counted twice":
+                     global_grad_norm([(g, s and (tp, dp)) for g, s in parts]).item(),
+                     "the shards never summed over the tp group: this rank's part only":
+                     global_grad_norm([(g, None) for g, _ in parts]).item()}}
+    before = grads_of(model)
+    total = clip_fn(sharded, replicated, tp, 1e6)
+    out["norm_unclipped"] = None if total is None else float(total)
+    out["unclipped_err"] = relative_error(grads_of(model), before)
+    total = clip_fn(sharded, replicated, tp, MAX_NORM)
+    out["norm"] = None if total is None else float(total)
+    out["clip_err"] = relative_error(grads_of(model), shard_like(model, clipped, tp))
+    return out
+
+
+def check_global_norm(clip_fn: Callable, ref: dict | None = None) -> list[dict]:
+    """``clip_fn(sharded, replicated, tp_group, max_norm)`` on 4 gloo ranks (DP 2 x TP 2, the course's
+    tensor-parallel GPT, gradients already averaged over dp) returns the global gradient norm before clipping and
+    clips every gradient in place: the norm equals one process's ``clip_grad_norm_`` on the global batch on every
+    rank, a max_norm above it leaves the gradients alone, and the clipped TP shards equal one process's clipped
+    gradients, sliced the same way."""
+    ref = ref or norm_reference()
+    res = run(_rank_global_norm, 4, args=(clip_fn, ref["x"], ref["y"], ref["clipped"]), backend="gloo",
+              stream=False, timeout_s=180)
+    want = ref["norm"]
+    for r, out in enumerate(res.returns):
+        for key, what in (("norm_unclipped", "max_norm 1e6"), ("norm", f"max_norm {MAX_NORM}")):
+            got = out[key]
+            check_true(f"rank {r}: clip_fn returns the global norm ({what}; got {got!r})", got is not None,
+                       hint="return the norm before clipping, like torch.nn.utils.clip_grad_norm_")
+            hint = ("sum the squares of the sharded gradients over the tp group (one all-reduce); add those of "
+                    "the replicated ones once, on every rank; then the square root")
+            for mistake, value in out["wrong"].items():
+                if abs(got - value) <= NORM_RTOL * abs(value):
+                    hint = f"this is the value with {mistake}"
+            check_close(f"rank {r} of DP 2 x TP 2: global gradient norm before clipping ({what})", got, want,
+                        rtol=NORM_RTOL, hint=hint)
+            if key == "norm_unclipped":
+                check_close(f"rank {r}: change of the gradients with max_norm 1e6 (above the norm)",
+                            out["unclipped_err"], 0.0, atol=GRAD_RTOL,
+                            hint="scale by min(1, max_norm / (norm + 1e-6)): never amplify")
+        check_close(f"rank {r}: clipped gradients vs one process's clip_grad_norm_ (relative difference)",
+                    out["clip_err"], 0.0, atol=GRAD_RTOL,
+                    hint="multiply every gradient, sharded and replicated, in place by max_norm / (norm + 1e-6)")
+    return [dict(rank=r, norm=o["norm"], reference=want, n_sharded=o["n_sharded"], n_replicated=o["n_replicated"],
+                 wrong=o["wrong"]) for r, o in enumerate(res.returns)]
+
+
+# ------------------------------------------------------------------------------ 09-alert-rule
+
+NAN = math.nan
+
+
+def _stream(values, dt: float = 10.0, start: float = 0.0) -> list[tuple[float, float]]:
+    return [(start + i * dt, v) for i, v in enumerate(values)]
+
+
+ALERT_CASES = (  # (name, op, threshold, for_s, [(t, value), ...], hint)
+    ("healthy loss", ">", 10.0, 30.0, _stream([3.2, 3.1, 3.0, 2.9, 2.9, 2.8, 2.7, 2.7]),
+     "the condition never holds: never fire"),
+    ("loss above 10 from t=30, for 30 s", ">", 10.0, 30.0, _stream([3.0, 3.0, 3.0, 12, 12, 12, 12, 12, 12, 12]),
+     "the episode starts at the first sample that holds; fire once, at the first t with t - since >= for_s"),
+    ("the same stream stopped one sample before", ">", 10.0, 30.0, _stream([3.0, 3.0, 3.0, 12, 12, 12]),
+     "30 s have not passed since the first sample that holds: stay silent"),
+    ("interrupted one sample before the end, then held again", ">", 10.0, 30.0,
+     _stream([3.0, 12, 12, 12, 3.0, 12, 12, 12, 12, 12]),
+     "a sample where the condition does not hold ends the episode: the duration starts over"),
+    ("fires, recovers, fires again", ">", 10.0, 20.0, _stream([12, 12, 12, 12, 3.0, 3.0, 12, 12, 12, 12]),
+     "fire once per episode; a sample that does not hold re-arms the rule"),
+    ("a NaN inside an episode", ">", 10.0, 30.0, _stream([3.0, 12, 12, NAN, 12, 12, 3.0]),
+     "a NaN says nothing about a threshold: neither a reset nor a sample that holds"),
+    ("NaNs on a healthy run", ">", 10.0, 10.0, _stream([3.0, NAN, NAN, NAN, 3.0, NAN]),
+     "a NaN compares false with every threshold: it never fires a '>' or '<' rule"),
+    ("exactly at the threshold", ">", 10.0, 10.0, _stream([10.0, 10.0, 10.0, 10.0]),
+     "the condition is strict: value > threshold"),
+    ("throughput below 500 for 60 s", "<", 500.0, 60.0,
+     _stream([800, 790, 320, 310, 300, 300, 320, 330, 340, 800, 320]),
+     "op '<': the condition is value < threshold"),
+    ("a duration of 0 s", ">", 0.9, 0.0, _stream([0.5, 0.95, 0.97, 0.5, 0.93]),
+     "for_s = 0: fire at the first sample that holds"),
+    ("irregular samples", ">", 100.0, 60.0,
+     [(0.0, 1.0), (7.0, 250.0), (15.0, 260.0), (40.0, 240.0), (66.0, 230.0), (67.0, 220.0), (90.0, 1.0),
+      (95.0, 300.0), (150.0, 300.0), (156.0, 300.0)],
+     "measure the duration from the first sample that held, in seconds of t, not in numbers of samples"),
+)
+
+
+def alert_reference(op: str, threshold: float, for_s: float, samples) -> list[float]:
+    """The times at which `alerts.AlertEngine` fires a rule ``metric op threshold for for_s`` on ``samples``."""
+    engine = AlertEngine([Rule("rule", "metric", op, threshold, for_s, "")])
+    return [t for t, v in samples if engine.observe(t, {"metric": v})]
+
+
+def check_alert_rule(rule_cls: Callable, cases=ALERT_CASES) -> list[dict]:
+    """A fresh ``rule_cls(op, threshold, for_s)`` per stream; ``observe(t, value)`` must return True exactly at the
+    samples where `alerts.AlertEngine` fires the same rule: at the sample its duration is reached (not one sample
+    earlier), once per episode, starting over when the condition stops holding, ignoring NaN, never on healthy
+    streams."""
+    out = []
+    for name, op, threshold, for_s, samples, hint in cases:
+        want = alert_reference(op, threshold, for_s, samples)
+        rule = rule_cls(op, threshold, for_s)
+        got = []
+        for t, v in samples:
+            fired = rule.observe(t, v)
+            check_true(f"stream '{name}': observe({t:g}, {v:g}) returns True or False (got {fired!r:.40})",
+                       isinstance(fired, (bool, np.bool_)), hint="return whether the rule fires at this sample")
+            if fired:
+                got.append(t)
+        check_equal(f"stream '{name}' ({op} {threshold:g} for {for_s:g} s): times at which the rule fires",
+                    got, want, hint=hint)
+        out.append(dict(stream=name, rule=f"{op} {threshold:g} for {for_s:g} s", samples=len(samples), fired=want))
+    return out
+
+
+# ------------------------------------------------------------------------------ 09-resume
+
+RESUME_CFG = small_config(dropout=0.1)         # dropout on: torch's random stream decides the result
+STEPS, STOP, ACCUM, MICRO, EXTRA = 6, 3, 2, 2, 4   # steps in all, stopped after, micro-batches per step, rows, crop
+RESUME_LR = 1e-2
+_POOL = random_batches(RESUME_CFG, 2 * MICRO, steps=STEPS * ACCUM, seed=5, seq_len=RESUME_CFG.seq_len + EXTRA)
+
+
+def _micro_batch(position: int):
+    """Micro-batch number ``position`` of the data: the rows Python's `random` picks out of its pool entry,
+    cropped at an offset NumPy's generator draws (a loader's shuffling and augmentation)."""
+    x, y = _POOL[position]                                    # (2 MICRO, T + EXTRA)
+    rows = random.sample(range(2 * MICRO), MICRO)
+    o = int(np.random.randint(0, EXTRA + 1))
+    T = RESUME_CFG.seq_len
+    return x[rows, o:o + T], y[rows, o:o + T]                 # (MICRO, T), (MICRO, T)
+
+
+def _seed_process(seed: int) -> None:
+    """The generators a new process starts with."""
+    torch.manual_seed(seed)
+    random.seed(seed + 1)
+    np.random.seed(seed + 2)
+
+
+def _build(init_seed: int):
+    model = build_model(RESUME_CFG, init_seed)                # seeds torch: before _seed_process
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=RESUME_LR, weight_decay=0.1)
+    sched = schedules.warmup_cosine_scheduler(opt, peak_lr=RESUME_LR, warmup_steps=4, total_steps=8,
+                                              min_lr=RESUME_LR / 10)
+    return model, opt, sched
+
+
+def _train(model, opt, sched, step: int, position: int, stop: int) -> tuple[list[float], int, int]:
+    """Optimizer steps ``step`` .. ``stop`` - 1, ACCUM micro-batches each from data position ``position``."""
+    losses = []
+    while step < stop:
+        total = 0.0
+        for _ in range(ACCUM):
+            x, y = _micro_batch(position)
+            position += 1
+            loss = model.loss(x, y) / ACCUM
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        losses.append(total)
+        step += 1
+    return losses, step, position
+
+
+def _streams() -> dict:
+    return {"torch": torch.get_rng_state().clone(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _same_stream(kind: str, a, b) -> bool:
+    if kind == "torch":
+        return torch.equal(a, b)
+    if kind == "python":
+        return a == b
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and tuple(a[2:]) == tuple(b[2:])
+
+
+def _optimizer_state(opt) -> dict:
+    return copy.deepcopy(opt.state_dict()["state"])
+
+
+def _same_optimizer_state(a: dict, b: dict) -> bool:
+    if set(a) != set(b):
+        return False
+    for k in a:
+        if set(a[k]) != set(b[k]):
+            return False
+        for name in a[k]:
+            x, y = a[k][name], b[k][name]
+            if not (torch.equal(torch.as_tensor(x), torch.as_tensor(y))):
+                return False
+    return True
+
+
+STREAM_NAMES = {"torch": "torch's", "python": "Python's", "numpy": "NumPy's"}
+
+
+def check_resume(save_fn: Callable, load_fn: Callable) -> dict:
+    """A run of STEPS steps (the course's GPT with dropout, AdamW, a warm-up + cosine LambdaLR, gradient
+    accumulation, micro-batches that Python's and NumPy's generators pick and crop) stopped after STOP steps with
+    ``save_fn(folder, model=, optimizer=, scheduler=, step=, data_position=)`` and resumed in a fresh "process"
+    (new model, optimizer and schedule, other seeds) with ``load_fn(folder, model=, optimizer=, scheduler=) ->
+    (step, data_position)`` from a copy of the folder must give exactly (bit for bit) the uninterrupted run's
+    losses and parameters. Each part of the state is compared first, so a failure names what was not restored."""
+    model, opt, sched = _build(0)                             # the uninterrupted run
+    _seed_process(0)
+    ref_losses, _, _ = _train(model, opt, sched, 0, 0, STEPS)
+    ref_params = params_of(model)
+
+    root = Path(tempfile.mkdtemp(prefix="course-resume-"))
+    try:
+        model, opt, sched = _build(0)                         # the same run, saved after STOP steps
+        _seed_process(0)
+        losses, step, position = _train(model, opt, sched, 0, 0, STOP)
+        saved = {"params": params_of(model), "optim": _optimizer_state(opt), "streams": _streams(),
+                 "last_epoch": sched.last_epoch, "lr": opt.param_groups[0]["lr"]}
+        save_fn(str(root / "ckpt"), model=model, optimizer=opt, scheduler=sched, step=step, data_position=position)
+        check_true("the checkpoint folder exists after save_checkpoint", (root / "ckpt").is_dir(),
+                   hint="create the folder you are given (os.makedirs) and write your files into it")
+        for kind, name in STREAM_NAMES.items():
+            check_true(f"saving leaves {name} random state as it was", _same_stream(kind, _streams()[kind],
+                       saved["streams"][kind]), hint="read the states; do not draw random numbers while saving")
+        losses += _train(model, opt, sched, step, position, STEPS)[0]
+        check_true("a run that saved after step 3 and went on equals the uninterrupted run",
+                   losses == ref_losses and all(torch.equal(p, ref_params[k]) for k, p in params_of(model).items()),
+                   hint="saving must not change the model, the optimizer, the schedule or the random streams")
+
+        shutil.move(str(root / "ckpt"), str(root / "copied"))  # what a new job finds on disk, nothing else
+        model, opt, sched = _build(1)                         # a new process: other weights, other streams
+        _seed_process(1234)
+        got = load_fn(str(root / "copied"), model=model, optimizer=opt, scheduler=sched)
+        check_equal("(step, data_position) returned by load_checkpoint", tuple(got) if isinstance(
+            got, (tuple, list)) else got, (STOP, STOP * ACCUM),
+            hint=f"return what you saved: {STOP} steps done, and the data position ({ACCUM} micro-batches per step)")
+        check_true("model parameters after load_checkpoint equal those saved",
+                   all(torch.equal(p, saved["params"][k]) for k, p in params_of(model).items()),
+                   hint="model.state_dict() / model.load_state_dict()")
+        check_true("AdamW's state after load_checkpoint (step, exp_avg, exp_avg_sq) equals the one saved",
+                   _same_optimizer_state(_optimizer_state(opt), saved["optim"]),
+                   hint="optimizer.state_dict() / optimizer.load_state_dict(): Adam's moments are part of the run")
+        check_equal("the schedule's position (scheduler.last_epoch) after load_checkpoint", sched.last_epoch,
+                    saved["last_epoch"], hint="scheduler.state_dict() / scheduler.load_state_dict()")
+        check_close("the learning rate after load_checkpoint", opt.param_groups[0]["lr"], saved["lr"], rtol=0,
+                    atol=0, hint="restore the optimizer's param groups and the schedule")
+        for kind, name in STREAM_NAMES.items():
+            check_true(f"{name} random state after load_checkpoint equals the one at save time",
+                       _same_stream(kind, _streams()[kind], saved["streams"][kind]),
+                       hint="save and restore torch.get_rng_state(), random.getstate() and np.random.get_state(); "
+                            "set them last, after everything else is loaded")
+        tail, step, position = _train(model, opt, sched, got[0], got[1], STEPS)
+        diff = max((abs(a - b) for a, b in zip(tail, ref_losses[STOP:])), default=math.inf)
+        check_true(f"losses of steps {STOP}-{STEPS - 1} after the resume equal the uninterrupted run's, bit for bit "
+                   f"(largest difference {diff:.1e})", tail == ref_losses[STOP:],
+                   hint="every part of the state: model, optimizer, schedule, the three random streams, the data "
+                        "position")
+        params = params_of(model)
+        check_true(f"parameters after {STEPS} steps equal the uninterrupted run's, bit for bit (relative "
+                   f"difference {relative_error(params, ref_params):.1e})",
+                   all(torch.equal(p, ref_params[k]) for k, p in params.items()),
+                   hint="every part of the state must be restored")
+        files = sorted(p.name for p in (root / "copied").rglob("*") if p.is_file())
+        size = sum(p.stat().st_size for p in (root / "copied").rglob("*") if p.is_file())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"losses": ref_losses, "resumed": tail, "stopped_after": STOP, "files": files, "bytes": size}
+

@@ -1,0 +1,89 @@
+"""Lesson 09's experiment and report helpers (course_lib/lessons/l09_training/experiments.py, report.py): the rate
+comparisons, the spike measure, the time-lost reading of a restarted run's metrics, torchrun's death lines, the
+warm-up runs' bookkeeping. One process, no launches, a few seconds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from course_lib.config import ModelConfig
+from course_lib.lessons.l09_training import experiments, report
+from course_lib.theory import practice
+
+
+def test_lr_curves_agree_where_the_schedules_are_the_same():
+    curves = experiments.lr_curves(3e-3, 10, 60, 3e-4, deepspeed=False)
+    assert report.max_relative_difference(curves["lambda"], curves["ours"]) < 1e-12
+    assert report.max_relative_difference(curves["torch"], curves["ours"]) < 1e-12
+    assert max(curves["ours"]) == 3e-3 and curves["ours"][9] == 3e-3               # the peak once, at W - 1
+    assert report.max_relative_difference(curves["warmup_constant"], curves["ours"]) > 0.1
+    assert report.max_relative_difference([0.0, 1.0], [0.0, 1.0]) == 0.0
+    assert report.max_relative_difference([1e-9], [0.0]) == math.inf                # an expected 0 must be 0
+    with pytest.raises(ValueError, match="compare the same steps"):
+        report.max_relative_difference([1.0], [1.0, 2.0])
+
+
+def test_loss_spike_is_the_worst_later_loss_over_the_first():
+    assert report.loss_spike([5.0, 4.0, 3.0]) == 0.8
+    assert report.loss_spike([5.0, 4.0, 10.0, 3.0]) == 2.0
+    assert report.loss_spike([5.0, float("nan")]) == math.inf
+    with pytest.raises(ValueError):
+        report.loss_spike([5.0])
+
+
+def test_warmup_runs_share_model_data_and_seed():
+    cfg = ModelConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=16, name="t")
+    runs = experiments.warmup_runs(cfg, peak_lr=1e-2, warmup_steps=3, steps=4, batch=2)
+    assert set(runs) == {0, 3}
+    assert runs[0]["losses"][0] == runs[3]["losses"][0]                 # same model, same first batch
+    assert runs[0]["lrs"][0] == pytest.approx(1e-2) and runs[3]["lrs"][0] == pytest.approx(1e-2 / 3)
+    assert all(len(r["losses"]) == len(r["grad_norms"]) == 4 for r in runs.values())
+
+
+def _records(steps, t0=100.0, step_s=0.1, save_after=(), save_s=0.0):
+    out, t = [], t0
+    for s in steps:
+        t += step_s + (save_s if s - 1 in save_after else 0.0)
+        out.append({"step": s, "time": t, "step_s": step_s})
+    return out
+
+
+def test_time_lost_reads_both_attempts():
+    first = _records(range(0, 8))                                       # finished steps 0..7, killed in step 8
+    second = _records(range(5, 12), t0=first[-1]["time"] + 10.0)        # 10 s later: resumed from checkpoint 5
+    lost = experiments.time_lost(first + second)
+    assert (lost["last_before"], lost["resumed_at"], lost["redone"]) == (7, 5, 3)
+    assert lost["lost_s"] == pytest.approx(10.0 + 3 * 0.1)
+    assert lost["redo_s"] == pytest.approx(0.3) and lost["restart_s"] == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="no restart"):
+        experiments.time_lost(first)
+
+
+def test_step_times_find_the_checkpoint_saves():
+    recs = _records(range(20), save_after=(4, 9, 14), save_s=0.5)
+    got = experiments.step_times(recs)
+    assert got["step_s"] == pytest.approx(0.1) and got["save_s"] == pytest.approx(0.5)
+    assert experiments.step_times(_records(range(5)))["save_s"] == 0.0
+
+
+def test_torchrun_failures_name_the_signal(tmp_path):
+    (tmp_path / "launcher.log").write_text(
+        "W1124 api.py:1028] Sending process 1725 closing signal SIGTERM\n"
+        "E1124 api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 1726) of binary: /x/python\n")
+    assert experiments.torchrun_failures(tmp_path) == [
+        "torchrun: local_rank 1 (pid 1726) failed, exitcode -9 = SIGKILL"]
+
+
+def test_tables_and_the_waste_curve():
+    from course_lib.alerts import SEED_RULES
+
+    table = report.rules_table(SEED_RULES)
+    assert "loss_nan" in table and "at once" in table and "10 min" in table
+    m = practice.job_mtbf(50_000 * 3600, 1000)
+    tau = practice.young_daly_interval(60.0, m)
+    waste = report.waste_curve([tau / 2, tau, 2 * tau], 60.0, m, 300.0)
+    assert waste[1] < waste[0] and waste[1] < waste[2]
+    row = {"gpu": "A100", "peak": 312e12, "mfu": 0.4, "gpu_hours": 1024 * 24.0, "usd": 2.0}
+    assert "1.0" in report.cost_table([row]).splitlines()[-1]           # one day on 1,024 GPUs
