@@ -51,7 +51,8 @@ class Baseline:
         import torch.distributed.distributed_c10d as c10d
 
         self.threads = threads
-        self.store = c10d._get_default_store()            # torchrun's store: a new default group meets there
+        # torchrun's store, where a new default group meets after a failed run (None outside a rank: a test)
+        self.store = c10d._get_default_store() if c10d.is_initialized() else None
         # A fresh process starts torch's generators from torch's fixed default seed (older releases) or from a
         # random one (newer releases): a job gets the same.
         self.seed = torch.initial_seed() if torch.initial_seed() == TORCH_DEFAULT_SEED else None

@@ -38,6 +38,16 @@ def _launched_processes() -> list[psutil.Process]:
 
 
 @pytest.fixture
+def pools_on(monkeypatch):
+    """Runs use warm pools whatever COURSE_POOL the test session has; the test starts and ends without one (for the
+    tests of the pool itself: ``pytestmark = pytest.mark.usefixtures("pools_on")``)."""
+    monkeypatch.setenv("COURSE_POOL", "1")
+    pool.shutdown_all()
+    yield
+    pool.shutdown_all()
+
+
+@pytest.fixture
 def no_leftovers():
     """After the test, no process that a run of this test process started is alive, other than warm pools."""
     yield

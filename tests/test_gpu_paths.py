@@ -139,3 +139,22 @@ def test_two_nodes_on_one_gpu_machine_get_their_own_gpus(monkeypatch, tmp_path):
     monkeypatch.setattr(launch, "_gpu_count", lambda: 4)      # too few GPUs: the ranks run on gloo, env untouched
     assert all("CUDA_VISIBLE_DEVICES" not in env for _, env in launch._node_commands(["-m", "x"], 8, 2, None, {},
                                                                                       tmp_path))
+
+
+def test_training_script_keeps_the_seeds_deepspeed_config_as_written_on_a_gpu(fake_gpus, monkeypatch):
+    """Lesson 09's script adapts seed 004's DeepSpeed JSON only where a CPU needs it: on a GPU its fp16 and its
+    fused AdamW stay as written; on a CPU without fp16 kernels, bf16 and torch's AdamW."""
+    from course_lib import train
+    from course_lib.lessons.l09_training.experiments import CONFIGS
+
+    seed = f"{CONFIGS}/seed004_deepspeed.toml"
+    fake_gpus(["NVIDIA H100 80GB HBM3"] * 2)
+    cfg, layout = train.check(seed, 2)
+    conf = train.deepspeed_settings(cfg, layout)
+    assert conf["fp16"] == cfg.deepspeed["fp16"] and conf["fp16"]["enabled"] and not conf.get("bf16", {}).get("enabled")
+    assert conf["optimizer"] == cfg.deepspeed["optimizer"] and "torch_adam" not in conf["optimizer"].get("params", {})
+    assert "zero_force_ds_cpu_optimizer" not in conf
+    fake_gpus([])
+    monkeypatch.setattr(common, "cpu_features", lambda: {"fp16": False, "bf16": True, "amx": False})
+    conf = train.deepspeed_settings(cfg, layout)
+    assert conf["bf16"]["enabled"] and not conf["fp16"]["enabled"] and conf["optimizer"]["params"]["torch_adam"]

@@ -21,17 +21,7 @@ from course_lib.data import random_batches
 from course_lib.launch import DistributedRunError, RunInterrupted, RunTimeout, run
 from course_lib.lessons.common import small_config, train_variant
 
-
-pytestmark = pytest.mark.usefixtures("no_leftovers")   # (tests/conftest.py)
-
-
-@pytest.fixture(autouse=True)
-def pools_on(monkeypatch):
-    """These tests are about the pool: on, whatever COURSE_POOL the test session has; and each starts clean."""
-    monkeypatch.setenv("COURSE_POOL", "1")
-    pool.shutdown_all()
-    yield
-    pool.shutdown_all()
+pytestmark = pytest.mark.usefixtures("pools_on", "no_leftovers")   # (tests/conftest.py)
 
 
 def _pids():

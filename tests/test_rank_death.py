@@ -26,7 +26,6 @@ from course_lib.launch import DistributedRunError, RunResult, RunTimeout, _failu
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the rank functions below travel by value
 
-pytestmark = pytest.mark.usefixtures("no_leftovers")   # (tests/conftest.py)
 
 SEED = int(os.environ.get("COURSE_TEST_SEED", random.SystemRandom().randrange(2 ** 32)))   # printed by each test
 
@@ -38,13 +37,7 @@ FIRST_LINE = {
 }
 
 
-@pytest.fixture(autouse=True)
-def pools_on(monkeypatch):
-    """The pooled runs use a pool whatever COURSE_POOL the session has; each test starts and ends without one."""
-    monkeypatch.setenv("COURSE_POOL", "1")
-    pool.shutdown_all()
-    yield
-    pool.shutdown_all()
+pytestmark = pytest.mark.usefixtures("pools_on", "no_leftovers")   # (tests/conftest.py)
 
 
 def _ping():

@@ -110,6 +110,16 @@ def test_straggler_fires_the_communication_overhead_alert(tmp_path):
     assert min(a["step"] for a in slow["alerts"]) >= 8, "fired before the straggler had lasted 10 minutes"
 
 
+def test_a_blown_up_loss_fires_loss_nan_at_once_and_loss_high_after_ten_minutes(tmp_path):
+    """Rank 1's loss becomes infinite from step 4 on (``[fault] kind = "nan"``): `loss_nan` (for 0 s) fires at step
+    4 and nothing else yet; `loss_high` (above 10 for 10 minutes, 100 s a step) six steps later, not before."""
+    _, bad = _run(tmp_path, "nan", **{"schedule.steps": 12, "fault.kind": "nan", "fault.rank": 1, "fault.step": 4,
+                                      "checkpoint.interval": 0})
+    fired = [(a["step"], a["rule"]) for a in bad["alerts"]]
+    assert fired == [(4, "loss_nan"), (10, "loss_high")], fired
+    assert all(math.isfinite(bad["losses"][str(s)]) for s in range(4)) and math.isinf(bad["losses"]["4"])
+
+
 def test_seed_deepspeed_config_trains_through_the_script(tmp_path):
     result, rec = train.launch(f"{CONFIGS}/seed004_deepspeed.toml", 2,
                                {"job.out_dir": str(tmp_path / "ds"), "schedule.steps": 4, "checkpoint.interval": 0},
