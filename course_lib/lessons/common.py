@@ -33,7 +33,8 @@ from course_lib.measure import cpu_features, live_tensor_bytes, model_state_byte
 from course_lib.model import build_model, lm_loss
 from course_lib.parallel.zero import ZeroOptimizer
 
-__all__ = ["COLORS", "small_config", "on_gpus", "by_device", "shard_batch", "params_of", "grads_of", "train_reference",
+__all__ = ["COLORS", "plain_log_ticks",
+           "small_config", "on_gpus", "by_device", "shard_batch", "params_of", "grads_of", "train_reference",
            "global_mean", "relative_error", "max_relative_error", "max_abs_error", "Variant", "VARIANTS",
            "import_deepspeed", "deepspeed_accepts_fp16", "deepspeed_config", "train_variant", "show", "source_lines",
            "after_prediction"]
@@ -233,6 +234,18 @@ def max_abs_error(actual, expected) -> float:
     errs = [(a.float() - b.float()).abs().max().item() if a.shape == b.shape else float("inf")
             for a, b in zip(actual, expected)]
     return max((e if e == e else float("inf") for e in errs), default=0.0)
+
+
+def plain_log_ticks(ax, which: str = "xy") -> None:
+    """Log-scale tick labels as plain numbers (1, 2, 5, 10, 20, ...) instead of matplotlib's mathtext $10^{x}$: a
+    figure redrawn by an ipywidget in JupyterLab has failed to parse its own mathtext tick labels (pyparsing's
+    ``ParseException: exception raised in parse action``; lessons 08 and 09, in the browser test)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    for axis in [a for name, a in (("x", ax.xaxis), ("y", ax.yaxis)) if name in which]:
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(NullFormatter())
 
 
 # ----------------------------------------------------------------------------- variants of sharded training

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from course_lib.config import PRESETS
+from course_lib.lessons.common import plain_log_ticks
 from course_lib.measure import GPU_SPECS
 from course_lib.theory.planner import Cluster, plan
 
@@ -130,7 +131,6 @@ def frontier_figure(rows, title: str, gpu_gb: float, mark=None):
     """Memory per GPU against step time of every layout (infeasible ones grey), the frontier joined, the fastest
     ringed; ``mark``: a `Layout` to ring too (e.g. a published one)."""
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fig, ax = plt.subplots(figsize=(7, 3.8))
     bad = [r for r in rows if not r.feasible and r.time["total"] > 0]
@@ -159,10 +159,7 @@ def frontier_figure(rows, title: str, gpu_gb: float, mark=None):
     ax.axhline(gpu_gb, color="#d62728", ls="--", lw=1, label=f"{gpu_gb:g} GB per GPU")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    for axis in (ax.xaxis, ax.yaxis):             # plain tick labels: no mathtext (a widget redraw in JupyterLab
-        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))          # once failed to parse its own 10^x)
-        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        axis.set_minor_formatter(NullFormatter())
+    plain_log_ticks(ax)
     ax.set_xlabel("step time, s (formula: no overlap, assumed MFU)")
     ax.set_ylabel("GB per GPU (formula)")
     ax.set_title(title, fontsize=9)

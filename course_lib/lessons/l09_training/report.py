@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from course_lib.lessons.common import COLORS
+from course_lib.lessons.common import COLORS, plain_log_ticks
 from course_lib.theory import practice
 
 __all__ = ["max_relative_difference", "loss_spike", "lr_figure", "warmup_figure", "clip_table", "rules_table",
@@ -141,6 +141,7 @@ def waste_figure(checkpoint_s: float, mtbf_s: float, restart_s: float = 0.0, tit
             label=f"Young: sqrt(2 delta M) = {young / 60:.1f} min, {best:.1f} % lost")
     ax.axvline(daly / 60, color=COLORS["master"], lw=1, ls=":", label=f"Daly (higher order): {daly / 60:.1f} min")
     ax.set_xscale("log")
+    plain_log_ticks(ax, "x")
     ax.set_ylim(0, 4 * best)
     ax.set_xlabel("checkpoint interval tau (minutes of work)")
     ax.set_ylabel("% of the job's time lost")
