@@ -134,14 +134,16 @@ class Lab:
     """One JupyterLab server and one headless Chromium, serving every lesson run in ``run_dir``.
 
     The server runs from ``run_dir`` (notebooks are copied there) with the course's lab settings, in this process's
-    environment without MPLBACKEND (a learner's kernel shows figures inline). Everything it starts (kernels, their
-    torchrun ranks) carries one process tag, and so does Chromium; `close` kills both trees. If this process dies,
-    Linux sends the server SIGTERM (it shuts its kernels down) and playwright's driver closes Chromium.
+    environment without MPLBACKEND (a learner's kernel shows figures inline), plus ``env`` (e.g. ``COURSE_QUICK=1``:
+    every lesson at its quick CPU sizes). Everything it starts (kernels, their torchrun ranks) carries one process
+    tag, and so does Chromium; `close` kills both trees. If this process dies, Linux sends the server SIGTERM (it
+    shuts its kernels down) and playwright's driver closes Chromium.
     """
 
-    def __init__(self, run_dir: Path, start_timeout_s: float = 120):
+    def __init__(self, run_dir: Path, start_timeout_s: float = 120, env: dict[str, str] | None = None):
         self.run_dir = Path(run_dir).resolve()
         self.start_timeout_s = start_timeout_s
+        self.env = dict(env or {})
         self.token = secrets.token_hex(16)
         self.port = procs.free_port()
         self.server_tag = procs.new_tag("lab")          # the server, its kernels, and what they start
@@ -170,7 +172,7 @@ class Lab:
 
         write_lab_settings()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+        env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"} | self.env
         env[procs.TAG_VAR] = procs.nested_tag(self.server_tag)
         with open(self.run_dir / "jupyter.log", "wb") as log:
             self.server = subprocess.Popen(

@@ -1,6 +1,10 @@
 """Every lesson in a real JupyterLab 4, in headless Chromium: Run All, no error output, no dialog, every ipywidget
 rendered and reacting to a changed control (course_lib/browser.py says how each is judged).
 
+The lessons run at their quick CPU sizes (COURSE_QUICK=1, as `course lab-report --quick`): this test is about
+JupyterLab (Run All, outputs, dialogs, widgets), and nbval runs every lesson at the sizes a learner gets in the same
+test command; `tools/lab_smoke.py` runs them in JupyterLab at those sizes, by hand.
+
 One JupyterLab server and one Chromium serve every lesson (a module fixture: playwright's sync API runs one at a
 time in a process, and test_lab_report.py starts its own); each lesson's kernel is shut down before the next opens.
 The executed copies, a screenshot per lesson and the server's log stay in runs/browser/<date-time>[-worker]/
@@ -34,7 +38,7 @@ def lab():
         pytest.skip(reason)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     run_dir = cli.ROOT / "runs" / "browser" / (time.strftime("%Y%m%d-%H%M%S") + (f"-{worker}" if worker else ""))
-    with browser.Lab(run_dir) as lab:
+    with browser.Lab(run_dir, env={"COURSE_QUICK": "1"}) as lab:
         yield lab
 
 
@@ -64,7 +68,7 @@ def _broken_notebook(path):
 
 
 def test_a_broken_lesson_fails_naming_its_cells(lab, tmp_path):
-    result = lab.run_lesson(_broken_notebook(tmp_path / "99_broken.ipynb"), timeout_s=120, widget_timeout_s=20)
+    result = lab.run_lesson(_broken_notebook(tmp_path / "99_broken.ipynb"), timeout_s=120, widget_timeout_s=8)
     assert not result.ok and result.ran == 3 and result.code_cells == 4
     assert result.problems[0] == "cell 3 (`1 / 0`): ZeroDivisionError: division by zero", result.report()
     assert result.screenshot.stat().st_size > 0
@@ -72,7 +76,7 @@ def test_a_broken_lesson_fails_naming_its_cells(lab, tmp_path):
     nb = nbformat.read(tmp_path / "99_broken.ipynb", as_version=4)
     nb.cells = nb.cells[:3]
     nbformat.write(nb, tmp_path / "98_broken_widgets.ipynb")
-    result = lab.run_lesson(tmp_path / "98_broken_widgets.ipynb", timeout_s=120, widget_timeout_s=20)
+    result = lab.run_lesson(tmp_path / "98_broken_widgets.ipynb", timeout_s=120, widget_timeout_s=8)
     assert len(result.problems) == 2, result.report()
     assert result.problems[0].startswith("cell 1 (`import ipywidgets as w`) widget 0: changing dead a -> b did not "
                                          "change its output"), result.report()
@@ -85,6 +89,6 @@ def test_a_broken_lesson_fails_naming_its_cells(lab, tmp_path):
 def test_lesson_runs_in_jupyterlab(lab, notebook, capsys):
     result = lab.run_lesson(notebook)
     with capsys.disabled():
-        print(f"\n[browser] {result.lesson}: {'OK' if result.ok else 'FAILED'} in {result.seconds:.0f} s, "
-              f"{len(result.widgets)} widget(s) reacted; screenshot {result.screenshot}", flush=True)
+        print(f"\n[browser] {result.lesson}: {'OK' if result.ok else 'FAILED'} in {result.seconds:.0f} s at quick "
+              f"sizes, {len(result.widgets)} widget(s) reacted; screenshot {result.screenshot}", flush=True)
     assert result.ok, result.report()
