@@ -37,15 +37,18 @@ TEST_PATHS = ["tests", "notebooks"]
 #  3. tests/test_browser.py runs every lesson in JupyterLab 4 in headless Chromium (Run All; no error, no dialog, every
 #     widget reacts). Where Debian's chromium is installed (CI installs it in .ci/run), the test command installs the
 #     `browser` extra (playwright) and runs it beside nbval: the course's design asks for both (nbval in a plain
-#     kernel, the browser test in the JupyterLab a learner uses), at about 7 more minutes on a 2-core CPU.
+#     kernel, the browser test in the JupyterLab a learner uses). The browser test runs the lessons at their quick CPU
+#     sizes (COURSE_QUICK=1), nbval at the learner's: 14 and 10 minutes of a worker's time on a 2-core CPU.
 #     COURSE_BROWSER=required makes it fail, not skip, if it cannot run. Without Chromium, the browser test skips,
 #     saying why.
 BROWSER_TEST = "tests/test_browser.py"
 #  4. The tests run in parallel, one pytest-xdist worker per core (at most 4; COURSE_TEST_WORKERS overrides, 1 runs
-#     them in one process): most of a serial run waits (torchrun start-up, rendezvous, time-outs of the hang tests,
-#     JupyterLab), so two workers on 2 cores take less time. ``--dist loadscope`` keeps each test file (with its
-#     module fixtures) and each notebook (whose cells share one kernel under nbval, in order) in one worker; files go
-#     out in collection order, so the longest (test_browser.py, test_grading.py) start early instead of last.
+#     them in one process): a serial run waits (torchrun start-up, rendezvous, time-outs of the hang tests,
+#     JupyterLab), so two workers on 2 cores take less time. Three workers on 2 cores were slower than two (the CPU
+#     was idle 0-3 % of the time) and made a hang test's timeout miss: more workers help only with more cores.
+#     ``--dist loadscope`` keeps each test file (with its module fixtures) and each notebook (whose cells share one
+#     kernel under nbval, in order) in one worker; files go out in collection order, so the longest (test_browser.py,
+#     test_grading.py) start early instead of last.
 #     (``--dist loadgroup`` with a group per browser lesson was tried: it ran nbval's cells out of order, and a second
 #     playwright in one worker refused to start.)
 CHROMIUM = Path(os.environ.get("COURSE_CHROMIUM", "/usr/bin/chromium"))  # as course_lib.browser.chromium()

@@ -239,6 +239,14 @@ class Baseline:
                     setattr(module, key, None)
 
 
+def stays_after_failure(exc: BaseException, backend: str) -> bool:
+    """Whether a rank whose job raised ``exc`` stays in the pool (and rejoins): only after a Python exception
+    (`Exception`) under gloo. Under NCCL the rank exits, so torchrun stops the others and the launcher discards the
+    pool: a communicator whose peer raised mid-collective may hang or abort later, and a new one would need every
+    GPU's memory back first. KeyboardInterrupt and SystemExit mean stop, under any backend."""
+    return isinstance(exc, Exception) and backend == "gloo"
+
+
 def main() -> int:
     die_with_parent()
     os.environ["COURSE_IN_RANK"] = "1"  # a run started inside a rank starts its own processes (no pool)
@@ -305,7 +313,7 @@ def main() -> int:
         # The first job of a pool paid for the process start, imports and rendezvous; later ones did not.
         timings = dict(startup) if first else {"process_start": now, "imports_done": now, "rendezvous_done": now}
         first = False
-        failed = False
+        failed = stays = False
         try:
             baseline.prepare(spec["cwd"])
             from course_lib._worker import run_job
@@ -314,13 +322,10 @@ def main() -> int:
             # Every rank is done before any destroys the run's groups: a slower rank may still be connecting to
             # this one in a group the function made (gloo's connectFullMesh), as in `_worker.main`.
             wait_for_every_rank(settings["backend"])
-        except Exception as exc:  # noqa: BLE001 - reported as a fresh rank reports it; under gloo the rank stays
+        except BaseException as exc:  # noqa: BLE001 - reported as a fresh rank reports it
             report_failure(run_dir, rank, exc)
-            failed = True
-        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt, SystemExit: the rank exits
-            report_failure(run_dir, rank, exc)
-            failed = None
-        if failed is None or (failed and settings["backend"] != "gloo"):
+            failed, stays = True, stays_after_failure(exc, settings["backend"])
+        if failed and not stays:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)

@@ -158,3 +158,17 @@ def test_training_script_keeps_the_seeds_deepspeed_config_as_written_on_a_gpu(fa
     monkeypatch.setattr(common, "cpu_features", lambda: {"fp16": False, "bf16": True, "amx": False})
     conf = train.deepspeed_settings(cfg, layout)
     assert conf["bf16"]["enabled"] and not conf["fp16"]["enabled"] and conf["optimizer"]["params"]["torch_adam"]
+
+
+def test_a_warm_rank_whose_run_failed_exits_under_nccl_and_stays_only_under_gloo():
+    """The pool worker's one decision after a failed job (course_lib/_pool_worker.py): a Python exception under gloo
+    keeps the rank (it rejoins a new group); under NCCL, or on KeyboardInterrupt / SystemExit, the rank exits and the
+    pool is discarded (a GPU pool is never asked to rejoin: test_pool's exception case covers the gloo side)."""
+    from course_lib._pool_worker import stays_after_failure
+
+    assert stays_after_failure(ValueError("boom"), "gloo")
+    assert stays_after_failure(RuntimeError("Connection closed by peer"), "gloo")
+    for exc in (ValueError("boom"), RuntimeError("NCCL error: unhandled system error"), torch.cuda.OutOfMemoryError()):
+        assert not stays_after_failure(exc, "nccl"), exc
+    for exc in (KeyboardInterrupt(), SystemExit(3)):
+        assert not stays_after_failure(exc, "gloo") and not stays_after_failure(exc, "nccl"), exc
