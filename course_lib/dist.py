@@ -11,6 +11,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from course_lib.reference import reference_for
 
 
 def is_initialized() -> bool:
@@ -88,6 +89,7 @@ def barrier() -> None:
 GRID_ORDER = ("pp", "dp", "tp")  # outermost to innermost, as torchtitan's mesh ["pp", "dp", ..., "tp"]
 
 
+@reference_for("08-grid")
 class GridLayout:
     """Where each rank sits in a dp x pp x tp grid, and which ranks each dimension groups (no process groups: any
     process can ask, e.g. to draw a grid of 1,024 ranks). `ProcessGrid` adds the groups.

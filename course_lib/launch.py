@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from course_lib import pool as pool_mod
-from course_lib import procs
+from course_lib import procs, reference
 
 MAX_PROCS = 64
 STREAM_LIMIT_BYTES = 200_000  # rank 0 output shown in the notebook; the log keeps everything
@@ -240,6 +240,7 @@ def _job_dir(fn: Callable, args: Sequence, kwargs: dict | None, backend: str, th
     payload = _pickle_payload(fn, args, kwargs or {})
     run_dir = _new_run_dir()
     (run_dir / "payload.pkl").write_bytes(payload)
+    reference.write_job(run_dir)                         # while graded: the guard goes to the ranks too
     (run_dir / "settings.json").write_text(json.dumps({
         "backend": backend, "threads_per_rank": threads, "pg_timeout_s": max(30, int(timeout_s) + 30)}))
     return run_dir
@@ -323,6 +324,7 @@ def _collect(run_dir: Path, nprocs: int, backend: str, wall_s: float, launch_tim
         timings.append(record["timings"] if record else None)
         posts.append(record.get("p2p") if record else None)
     logs = [run_dir / f"rank{r}.log" for r in range(nprocs)]
+    reference.collect_from(run_dir)                      # the course's answers a learner's code called in a rank
     return RunResult(returns, logs, wall_s, backend, devices, nprocs, run_dir, timings, launch_time, threads,
                      posts if any(p is not None for p in posts) else None)
 

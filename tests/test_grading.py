@@ -20,7 +20,7 @@ import nbformat
 import psutil
 import pytest
 
-from course_lib import procs
+from course_lib import procs, reference
 from course_lib.grading import build as gbuild
 from course_lib.grading import commands, grade
 from course_lib.grading import notebook as nbio
@@ -32,6 +32,8 @@ EXERCISES = ROOT / "exercises"
 FIX = ROOT / "tests" / "fixtures" / "grading"
 FX_SOLUTIONS = FIX / "solutions"
 EXPECTED_WRONG = json.loads((FIX / "expected_wrong.json").read_text())
+sys.path.insert(0, str(FIX))
+from cheats import CHEATS  # noqa: E402 - answers that call the course's own implementation of their exercise
 TAG_PREFIX = f"grade-{os.getpid()}-"  # procs.new_tag("grade") in this process
 # Lessons whose solution (full marks) and generated exercise (zero) are graded here. Lesson 00 by default,
 # to keep this file at a few minutes on 2 cores; CI sets COURSE_GRADE_LESSONS=all (docs/GRADING.md).
@@ -68,11 +70,16 @@ def graded(tmp_path_factory):
         jobs[f"solution:{stem}"] = (SOLUTIONS / f"{stem}.ipynb", SOLUTIONS, dict(course_notebook))
     # The student copies as `course build` generates them now (committed staleness: test_build_check_*).
     (tmp / "exercises").mkdir()
+    (tmp / "cheats").mkdir()
     for name, text in gbuild.expected_files(SOLUTIONS).items():
         if Path(name).stem not in LESSONS:
             continue
         (tmp / "exercises" / name).write_text(text)
         jobs[f"exercise:{Path(name).stem}"] = (tmp / "exercises" / name, SOLUTIONS, dict(course_notebook))
+        if Path(name).stem in CHEATS:     # the student copy with answers that call the course's own (cheats.py)
+            nbio.write(cheating_copy(nbformat.reads(text, as_version=4), CHEATS[Path(name).stem]),
+                       tmp / "cheats" / name)
+            jobs[f"cheat:{Path(name).stem}"] = (tmp / "cheats" / name, SOLUTIONS, dict(course_notebook))
     for nb in sorted((FIX / "hostile").glob("*.ipynb")):
         sols = tamper_solutions if nb.stem == "tamper" else FX_SOLUTIONS
         jobs[f"hostile:{nb.stem}"] = (nb, sols, fast)
@@ -108,6 +115,21 @@ def graded(tmp_path_factory):
             "leftovers": leftovers()}
 
 
+def cheating_copy(nb, cheats: dict) -> dict:
+    """A student copy where each exercise of ``cheats`` gets a code cell, just before its first test cell, that
+    defines its answer by calling the course's own implementation."""
+    cells, done = [], set()
+    for cell in nb.cells:
+        info = nbio.test_info(cell)
+        if info and info["exercise"] in cheats and info["exercise"] not in done:
+            done.add(info["exercise"])
+            cells.append(nbformat.v4.new_code_cell(cheats[info["exercise"]][0]))
+        cells.append(cell)
+    assert done == set(cheats), f"no test cells for {sorted(set(cheats) - done)}"
+    nb.cells = cells
+    return nb
+
+
 def statuses(res: dict) -> dict[str, str]:
     return {r["exercise"]: r["status"] for r in res["exercises"]}
 
@@ -134,6 +156,23 @@ def test_every_exercise_scores_zero_not_implemented(graded):
         assert res["points"] == 0 and res["max"] > 0, name
         assert set(statuses(res).values()) == {"not implemented"}, (name, statuses(res))
         assert not res["warnings"], (name, res["warnings"])
+
+
+def test_an_answer_that_calls_the_course_answer_scores_zero_with_the_reason(graded):
+    """Every lesson: each exercise whose answer calls the course's own implementation (alias, partial, getattr,
+    subclass, wrapper, lambda, exec, a table computed ahead of the tests; in the kernel and in torchrun ranks) scores
+    zero with the one-line reason; every other exercise of the copy is still graded on its own (a stub)."""
+    cheats = {k.split(":", 1)[1]: v for k, v in graded["results"].items() if k.startswith("cheat:")}
+    assert set(cheats) == set(LESSONS) & set(CHEATS)
+    for stem, res in cheats.items():
+        got = statuses(res)
+        for exercise, status in got.items():
+            if exercise not in CHEATS[stem]:
+                assert status == "not implemented", (stem, exercise, status)
+                continue
+            names = CHEATS[stem][exercise][1]
+            assert status in {f"refused: {reference.message(exercise, n)}" for n in names}, (stem, exercise, status)
+        assert res["points"] == 0 and not res["warnings"], (stem, res["warnings"])
 
 
 def test_build_check_passes_on_the_repo():

@@ -11,14 +11,19 @@ One submission:
    with a unique ``COURSE_PROC_TAG``, inside the sandbox where it runs (`course_lib.grading.sandbox`: no view
    of the checkout, $HOME or other submissions, no network, a memory and a process cap); afterwards kill
    every process carrying the tag;
-5. score: an exercise earns its points (sum of its test cells' points) only if all its test cells pass.
+   While it runs, the course's own answer to each exercise (`course_lib.reference`) is refused to the
+   submission's code (`guard_plan`, `course_lib.grading.kernel_guard`);
+5. score: an exercise earns its points (sum of its test cells' points) only if all its test cells pass and the
+   submission's code never called the course's answer to it.
 
-Statuses: ``passed``, ``failed: <first failing check>``, ``not implemented``, ``timeout``,
-``error: <one line>``, ``kernel died``, ``memory limit (N MB) reached``, ``process limit (N ...) reached``.
+Statuses: ``passed``, ``refused: X calls M, the course's answer: write your own``, ``failed: <first failing
+check>``, ``not implemented``, ``timeout``, ``error: <one line>``, ``kernel died``, ``memory limit (N MB)
+reached``, ``process limit (N ...) reached``.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import csv
 import json
@@ -30,9 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from course_lib import procs
+from course_lib import procs, reference
+from course_lib.grading import kernel_guard, sandbox
 from course_lib.grading import notebook as nbio
-from course_lib.grading import sandbox
 
 DEFAULT_CELL_TIMEOUT = 120.0
 DEFAULT_TOTAL_TIMEOUT = 900.0
@@ -122,6 +127,47 @@ def assemble(submission, official) -> dict:
     return nb
 
 
+def answer_names(official) -> list[str]:
+    """The names the answer regions of a solution notebook define at the top of their cells (functions, classes,
+    variables): what a test cell calls, so what must not be the course's own answer (`kernel_guard`)."""
+    names: set[str] = set()
+    for cell in official["cells"]:
+        if not nbio.has_solution(cell):
+            continue
+        try:
+            tree = ast.parse(nbio.source(cell))
+        except SyntaxError:              # a cell magic: nothing to look at
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, ast.AnnAssign) else []
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return sorted(names)
+
+
+def guard_plan(assembled, official) -> dict:
+    """For `kernel_guard.install`: each code cell of ``assembled`` by the hash of its source, with the exercises
+    whose references it refuses (a test cell of X: X's; a learner's cell: those of every exercise tested after it,
+    recorded only), the answer names of the lesson, and its exercise ids."""
+    cells: dict[str, dict] = {}
+    later: set[str] = set()
+    for cell in reversed(assembled["cells"]):
+        if cell.get("cell_type") != "code":
+            continue
+        info = nbio.test_info(cell)
+        key = kernel_guard.cell_key(nbio.source(cell))
+        if info:
+            later.add(info["exercise"])
+            cells[key] = {"test": True, "exercise": info["exercise"], "guarded": [info["exercise"]]}
+        elif not cells.get(key, {}).get("test"):     # a learner's copy of a test cell's source stays a test
+            guarded = set(later) | set(cells.get(key, {}).get("guarded", []))
+            cells[key] = {"test": False, "exercise": None, "guarded": sorted(guarded)}
+    return {"cells": cells, "answers": answer_names(official), "lesson": sorted(later)}
+
+
 # ----------------------------------------------------------------------------------------- scoring
 
 def score(nb, record: dict) -> list[dict]:
@@ -143,10 +189,24 @@ def score(nb, record: dict) -> list[dict]:
         row["tests"].append(entry or {"index": i, "status": "not-run", "ename": "", "evalue": ""})
         span.setdefault(ex, []).extend(since_last_test)
         since_last_test = []
+    refused = _refused(record)
     for ex, row in rows.items():
-        row["status"] = _status(row.pop("tests"), span.get(ex, []), record)
+        tests = row.pop("tests")
+        row["status"] = refused.get(ex) or _status(tests, span.get(ex, []), record)
         row["points"] = row["max"] if row["status"] == "passed" else 0.0
     return list(rows.values())
+
+
+def _refused(record: dict) -> dict[str, str]:
+    """exercise -> 'refused: X calls M, the course's answer: write your own', for every exercise whose references
+    the learner's code called (recorded by the kernel's guard, or in an error's text, e.g. a rank's)."""
+    out: dict[str, str] = {}
+    for cell in record.get("cells", []):
+        found = [tuple(r) for r in cell.get("refused", [])]
+        found += reference.MESSAGE_RE.findall(cell.get("evalue", ""))
+        for exercise, name in found:
+            out.setdefault(exercise, f"refused: {reference.message(exercise, name)}")
+    return out
 
 
 def _limit_hit(cell: dict, caps: dict | None) -> str | None:
@@ -224,9 +284,10 @@ def _sandboxing(sandboxed: bool | None, limits: sandbox.Limits | None) -> tuple[
 
 
 def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, output_limit: int,
-         caps: dict | None = None, hidden: tuple[Path, ...] = (), warm_ranks: bool = False) -> dict:
+         caps: dict | None = None, hidden: tuple[Path, ...] = (), warm_ranks: bool = False,
+         guard: dict | None = None) -> dict:
     """Run the runner on ``assembled`` in ``workdir``: in the sandbox with ``caps`` (see `_sandboxing`), where
-    the folders ``hidden`` must not be visible, or plainly when ``caps`` is None."""
+    the folders ``hidden`` must not be visible, or plainly when ``caps`` is None; ``guard``: `guard_plan`'s."""
     nbio.write(assembled, workdir / "graded.ipynb")
     tag = procs.new_tag("grade")
     env = dict(os.environ)
@@ -256,7 +317,7 @@ def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, ou
         with tempfile.TemporaryFile() as record_file, open(log, "wb") as out:
             plan = {"notebook": str(workdir / "graded.ipynb"), "workdir": str(workdir),
                     "record_fd": record_file.fileno(), "cell_timeout": cell_timeout, "total_timeout": total_timeout,
-                    "output_limit": output_limit, "caps": caps}
+                    "output_limit": output_limit, "caps": caps, "guard": guard}
             (workdir / "plan.json").write_text(json.dumps(plan))
             proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(record_file.fileno(),))
@@ -321,7 +382,8 @@ def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solu
     try:
         shutil.copyfile(path, workdir / "submission.ipynb")
         hidden = (solutions.folder, path.parent, Path.home())
-        record = _run(assembled, workdir, cell_timeout, total_timeout, output_limit, caps, hidden, warm_ranks)
+        record = _run(assembled, workdir, cell_timeout, total_timeout, output_limit, caps, hidden, warm_ranks,
+                      guard_plan(assembled, official))
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)

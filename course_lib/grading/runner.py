@@ -8,7 +8,9 @@ nor reach through /proc: the submission can kill the runner, not forge its recor
 
 Per code cell it records ``status``: ``ok`` | ``error`` (with ``ename``/``evalue``) | ``timeout`` |
 ``died`` | ``not-run`` (the total time limit was reached), and ``limit`` (``memory`` | ``processes``) when
-the sandbox's cgroup hit that cap during the cell (`course_lib.grading.sandbox`). When a cell times out, kills
+the sandbox's cgroup hit that cap during the cell (`course_lib.grading.sandbox`), and ``refused``: the calls of the
+learner's code to the course's own answers that the kernel's guard refused or recorded in the cell
+(`course_lib.grading.kernel_guard`, from the plan's ``guard``). When a cell times out, kills
 the kernel or hits a cap, the kernel and all its descendants are killed, a new kernel is started, the earlier
 non-test cells that ran fine are replayed (test cells are not), and execution goes on after the failed cell.
 Captured output is capped per cell (``output_limit`` bytes), so a 50 MB print cannot fill the memory.
@@ -16,6 +18,7 @@ Captured output is capped per cell (``output_limit`` bytes), so a 50 MB print ca
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import resource
@@ -40,6 +43,7 @@ class CappedClient(NotebookClient):
     """
 
     output_limit = 1_000_000
+    guard_plan: dict | None = None      # `kernel_guard.install`'s plan (from the grader), or None: no guard
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -119,6 +123,26 @@ def _start(client: NotebookClient) -> None:
 
     run_sync(client.kc.execute_interactive)(_KERNEL_OUTPUT_CAP % client.output_limit, silent=True,
                                             store_history=False, timeout=60)
+    if client.guard_plan is not None:   # the course's answers refused to the learner's code (kernel_guard)
+        run_sync(client.kc.execute_interactive)(_GUARD_INSTALL % json.dumps(json.dumps(client.guard_plan)),
+                                                silent=True, store_history=False, timeout=60)
+
+
+_GUARD_INSTALL = "__import__('course_lib.grading.kernel_guard', fromlist=['install']).install(__import__('json').loads(%s))"
+_GUARD_REPORT = "__import__('course_lib.grading.kernel_guard', fromlist=['report']).report()"
+
+
+def _refused(client: NotebookClient) -> list:
+    """The calls to the course's answers that the kernel's guard refused or recorded during the last cell."""
+    from jupyter_core.utils import run_sync
+
+    try:
+        reply = run_sync(client.kc.execute_interactive)("", silent=True, store_history=False, timeout=30,
+                                                        user_expressions={"refused": _GUARD_REPORT})
+        out = reply["content"]["user_expressions"]["refused"]
+        return json.loads(ast.literal_eval(out["data"]["text/plain"])) if out.get("status") == "ok" else []
+    except Exception:  # noqa: BLE001 - a dead or busy kernel: nothing recorded for this cell
+        return []
 
 
 def _stop(client: NotebookClient, sandboxed: bool = False) -> None:
@@ -198,6 +222,7 @@ def execute(plan: dict) -> dict:
                           resources={"metadata": {"path": workdir}}, startup_timeout=120,
                           record_timing=False, interrupt_on_timeout=False, iopub_timeout=10)
     client.output_limit = int(plan["output_limit"])
+    client.guard_plan = plan.get("guard")
     caps = plan.get("caps")  # {memory_mb, max_procs, cpus, via} in the sandbox, else None
     record: dict = {"cells": [], "restarts": 0, "started": time.time(), "caps": caps}
     record_fd = int(plan["record_fd"])
@@ -244,6 +269,8 @@ def execute(plan: dict) -> dict:
                 entry.update(status="error", ename=err[0], evalue=err[1][:2000])
             else:
                 entry["status"] = "ok"
+            if client.guard_plan is not None:
+                entry["refused"] = _refused(client)
         except CellTimeoutError:
             failure = "timeout" if client.timeout >= cell_timeout else "not-run"
         except DeadKernelError:

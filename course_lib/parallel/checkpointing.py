@@ -39,6 +39,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from course_lib.reference import reference_for
 
 __all__ = ["apply_activation_checkpointing", "remove_activation_checkpointing", "checkpointed_segments",
            "recompute_attention_core", "SAVE_OPS", "save_matmuls_policy", "CheckpointedBlock"]
@@ -57,6 +58,7 @@ def save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+@reference_for("07-checkpoint-block")
 class CheckpointedBlock(nn.Module):
     """One block run under full activation checkpointing: ``model.blocks[i] = CheckpointedBlock(block)``.
 
@@ -97,6 +99,7 @@ def checkpointed_segments(n_layer: int, every: int) -> list[range]:
     return [range(i, min(i + every, n_layer)) for i in range(0, n_layer, every)]
 
 
+@reference_for("07-checkpoint-block")
 def apply_activation_checkpointing(model: nn.Module, every: int = 1, selective: bool = False) -> nn.Module:
     """Checkpoint ``model.blocks`` in segments of ``every`` blocks (in place; returns the model).
 

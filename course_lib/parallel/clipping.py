@@ -41,6 +41,7 @@ import torch.nn as nn
 from torch.distributed import ProcessGroup
 
 from course_lib import dist as cdist
+from course_lib.reference import reference_for
 
 __all__ = ["GradPart", "ShardGroups", "global_grad_norm", "clip_grads_with_norm_", "clip_grad_norm_",
            "param_grad_parts", "tensor_parallel_grad_parts", "zero_grad_parts", "model_grad_norm",
@@ -60,6 +61,7 @@ def _groups(spec: ShardGroups) -> tuple[ProcessGroup, ...]:
     return tuple(g for g in _as_tuple(spec) if dist.get_world_size(g) > 1)
 
 
+@reference_for("09-global-norm")
 @torch.no_grad()
 def global_grad_norm(parts: Iterable[GradPart], norm_type: float = 2.0) -> torch.Tensor:
     """The p-norm of the whole gradient, of which each rank holds ``parts``: [(g, groups g is sharded over), ...].
@@ -90,6 +92,7 @@ def global_grad_norm(parts: Iterable[GradPart], norm_type: float = 2.0) -> torch
     return torch.linalg.vector_norm(torch.stack(norms), p)            # one bucket: n itself, bit for bit
 
 
+@reference_for("09-global-norm")
 @torch.no_grad()
 def clip_grads_with_norm_(parts: Iterable[GradPart | torch.Tensor], max_norm: float,
                           total_norm: torch.Tensor) -> torch.Tensor:
@@ -102,6 +105,7 @@ def clip_grads_with_norm_(parts: Iterable[GradPart | torch.Tensor], max_norm: fl
     return coef
 
 
+@reference_for("09-global-norm")
 def clip_grad_norm_(parts: Iterable[GradPart], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """`global_grad_norm` of ``parts``, then `clip_grads_with_norm_`; returns the norm before clipping (a collective,
     like `torch.nn.utils.clip_grad_norm_` on one process)."""
@@ -189,6 +193,7 @@ def model_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> t
     return global_grad_norm(param_grad_parts(params), norm_type)
 
 
+@reference_for("09-global-norm")
 def clip_model_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """`clip_grad_norm_` of `param_grad_parts`: the drop-in for ``torch.nn.utils.clip_grad_norm_(params, max_norm)``
     under DDP or FSDP2; returns the norm before clipping."""

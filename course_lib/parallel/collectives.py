@@ -22,6 +22,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from course_lib.reference import reference_for
 
 __all__ = ["ByteCounter", "chunk_sizes", "send_recv", "ring_all_reduce", "ring_bytes_sent", "ring_bytes_formula"]
 
@@ -38,6 +39,7 @@ class ByteCounter:
         self.messages += 1
 
 
+@reference_for("00-partial-sum")
 def chunk_sizes(numel: int, n: int) -> list[int]:
     """Sizes of the n ring chunks of a tensor of `numel` elements: as `torch.tensor_split` makes them
     (the first numel % n chunks get one element more; chunks may be empty when numel < n)."""
@@ -93,6 +95,7 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, gro
     send_recv(send, right, recv, left, group)
 
 
+@reference_for("02-ring-all-reduce")
 @torch.no_grad()
 def ring_all_reduce(tensor: torch.Tensor, group=None, counter: ByteCounter | None = None,
                     average: bool = False) -> torch.Tensor:

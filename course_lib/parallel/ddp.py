@@ -26,10 +26,12 @@ import dataclasses
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from course_lib.reference import reference_for
 
 __all__ = ["average_gradients", "broadcast_parameters", "Bucket", "BucketedDDP", "apply_ddp", "make_buckets"]
 
 
+@reference_for("02-average-gradients")
 @torch.no_grad()
 def average_gradients(model: nn.Module, group=None) -> None:
     """Naive data parallelism: all-reduce (sum) every parameter's gradient, then divide by the world size.
@@ -84,6 +86,7 @@ def make_buckets(params: list[nn.Parameter], bucket_cap_bytes: float,
     return buckets
 
 
+@reference_for("02-bucketed-ddp")
 class BucketedDDP:
     """Bucketed data parallelism with communication overlapped with backward (lesson 02).
 

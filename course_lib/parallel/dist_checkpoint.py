@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from course_lib.reference import reference_for
 
 __all__ = ["TrainState", "AsyncCheckpoint", "step_path", "latest", "save", "load", "save_deepspeed",
            "load_deepspeed", "rng_state", "set_rng_state", "reseed"]
@@ -97,6 +98,7 @@ def latest(folder) -> Path | None:
 
 # ------------------------------------------------------------------------------ random generators
 
+@reference_for("09-resume")
 def rng_state() -> dict:
     """This process's generators: torch CPU, CUDA (every device, if any), Python ``random``, numpy."""
     import numpy as np
@@ -107,6 +109,7 @@ def rng_state() -> dict:
     return state
 
 
+@reference_for("09-resume")
 def set_rng_state(state: dict) -> None:
     """The inverse of `rng_state` (CUDA states only where this process has as many GPUs)."""
     import numpy as np
@@ -211,6 +214,7 @@ class AsyncCheckpoint:
         return self._path
 
 
+@reference_for("09-resume")
 def save(path, *, model, optimizer, scheduler=None, step: int, data_position: int, extra: dict | None = None,
          seed: int = 0, async_save: bool = False, process_group=None) -> AsyncCheckpoint | None:
     """Save model, optimizer, schedule, step, data position and every rank's RNG state to ``path`` (a folder,
@@ -241,6 +245,7 @@ def save(path, *, model, optimizer, scheduler=None, step: int, data_position: in
     return AsyncCheckpoint(future, tmp, final, group, own)
 
 
+@reference_for("09-resume")
 def load(path, *, model, optimizer, scheduler=None) -> TrainState:
     """Load a checkpoint written by `save` into ``model`` / ``optimizer`` / ``scheduler`` (built as for
     training: plain, DDP or FSDP2, on any world size) and restore this rank's RNG state; returns where the run

@@ -28,6 +28,7 @@ from course_lib.config import ConfigError
 from course_lib.model import lm_loss
 from course_lib.parallel.collectives import send_recv
 from course_lib.parallel.pipeline_schedules import split_stages, validate_order
+from course_lib.reference import reference_for
 
 __all__ = ["Stage", "build_stage", "P2P", "run_schedule", "split_microbatches", "sequential_loss"]
 
@@ -144,6 +145,7 @@ class P2P:
         self.pending.clear()
 
 
+@reference_for("03-gpipe")
 def run_schedule(stage: Stage, order: list, x_mbs: list[torch.Tensor], y_mbs: list[torch.Tensor],
                  comm: P2P | None = None, loss_fn=lm_loss, hidden_shape=None) -> dict:
     """Run one rank's ops of one training step (no optimizer step): gradients accumulate in `.grad`.

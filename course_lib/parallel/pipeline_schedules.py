@@ -16,6 +16,7 @@ a pure function makes it easy to test, to simulate and to draw.
 """
 
 from __future__ import annotations
+from course_lib.reference import reference_for
 
 __all__ = ["split_stages", "gpipe_order", "one_f_one_b_order", "naive_order", "schedule_orders",
            "simulate", "bubble_of", "peak_in_flight", "validate_order"]
@@ -23,6 +24,7 @@ __all__ = ["split_stages", "gpipe_order", "one_f_one_b_order", "naive_order", "s
 Op = tuple[str, int]
 
 
+@reference_for("00-partial-sum", "03-split-stages")
 def split_stages(n_layers: int, p: int) -> list[tuple[int, int]]:
     """Contiguous layer ranges [start, end) for p stages, sizes differing by at most one.
 
@@ -52,6 +54,7 @@ def naive_order(p: int, rank: int) -> list[Op]:
     return gpipe_order(p, 1, rank)
 
 
+@reference_for("03-1f1b-order")
 def one_f_one_b_order(p: int, m: int, rank: int) -> list[Op]:
     """1F1B (PipeDream-Flush): the same work as GPipe, reordered so that at most p - rank micro-batches are
     in flight on rank `rank`.
@@ -136,6 +139,7 @@ def simulate(orders: list[list[Op]], t_f: float = 1.0, t_b: float = 2.0, t_comm:
     return out
 
 
+@reference_for("03-bubble")
 def bubble_of(timeline: list[list[dict]]) -> float:
     """Idle fraction of a pipeline step: 1 - (busy time summed over ranks) / (p x step span).
 

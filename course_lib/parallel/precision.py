@@ -23,6 +23,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from course_lib.reference import reference_for
 
 __all__ = ["FORMATS", "format_info", "spacing", "add_in", "DynamicLossScaler", "MasterWeightOptimizer",
            "master_step", "any_rank_true"]
@@ -70,6 +71,7 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
+@reference_for("06-loss-scaler")
 class DynamicLossScaler:
     """A dynamic loss scaler with the decisions of `torch.amp.GradScaler` (lesson 06).
 
@@ -140,6 +142,7 @@ class DynamicLossScaler:
         self._unscaled, self._found_inf = False, None
 
 
+@reference_for("06-master-weights")
 @torch.no_grad()
 def master_step(model_params: list[torch.Tensor], master_params: list[torch.Tensor],
                 optimizer: torch.optim.Optimizer, scaler=None) -> bool:
@@ -158,6 +161,7 @@ def master_step(model_params: list[torch.Tensor], master_params: list[torch.Tens
     return bool(stepped)
 
 
+@reference_for("06-master-weights")
 class MasterWeightOptimizer:
     """fp32 master weights for a low-precision model: `optimizer_cls` is built over fp32 copies of the model's
     parameters; `step(scaler)` is `master_step` (or the learner's `step_fn`). Model state per parameter with

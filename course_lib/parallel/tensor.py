@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib.parallel.sequence import SequenceParallelLinear, scatter_to_sequence
+from course_lib.reference import reference_for
 
 __all__ = ["shard", "copy_to_tp", "reduce_from_tp", "ColumnParallelLinear", "RowParallelLinear",
            "ParallelMLP", "ParallelAttention"]
@@ -57,6 +58,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
+@reference_for("04-column-parallel")
 class _CopyToTP(torch.autograd.Function):
     """f: identity forward, all-reduce backward (each rank holds part of dL/dX; the full one is their sum)."""
 
@@ -70,6 +72,7 @@ class _CopyToTP(torch.autograd.Function):
         return _all_reduce(grad, ctx.group), None
 
 
+@reference_for("04-row-parallel")
 class _ReduceFromTP(torch.autograd.Function):
     """g: all-reduce forward (sum the partial outputs), identity backward (dL/dZ is already replicated)."""
 
@@ -82,11 +85,13 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+@reference_for("04-column-parallel")
 def copy_to_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """f: enter a tensor-parallel region (identity forward, all-reduce of the gradient backward)."""
     return _CopyToTP.apply(x, group)
 
 
+@reference_for("04-row-parallel")
 def reduce_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
     """g: leave a tensor-parallel region (all-reduce forward, identity backward)."""
     return _ReduceFromTP.apply(x, group)
@@ -94,6 +99,7 @@ def reduce_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
 
 # ------------------------------------------------------------------ layers
 
+@reference_for("04-column-parallel")
 class ColumnParallelLinear(nn.Module):
     """``Y_r = X A_r^T + b_r``: this rank's slice of the output features (Megatron-LM section 3).
 
@@ -141,6 +147,7 @@ class ColumnParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
+@reference_for("04-row-parallel")
 class RowParallelLinear(nn.Module):
     """``Z = sum_r Y_r B_r^T + b``: input features split, partial sums added by g (Megatron-LM section 3).
 
@@ -182,6 +189,7 @@ class RowParallelLinear(nn.Module):
         return f"in={self.in_features}/{self.tp}, out={self.out_features}, sequence_parallel={self.sequence_parallel}"
 
 
+@reference_for("04-parallel-mlp")
 class ParallelMLP(nn.Module):
     """fc column-parallel, GELU on this rank's F/t hidden features, proj row-parallel: one all-reduce forward
     (in proj's g) and one backward (in fc's f). Built from a plain `course_lib.model.MLP` by `from_mlp`."""

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from course_lib.parallel.sequence import scatter_to_sequence
 from course_lib.parallel.tensor import reduce_from_tp, shard
+from course_lib.reference import reference_for
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy", "vocab_range"]
 
@@ -108,6 +109,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g.view(ctx.shape).to(ctx.dtype), None, None
 
 
+@reference_for("04-vocab-ce")
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, group=None) -> torch.Tensor:
     """Mean cross-entropy (nats) of logits split along the vocabulary across the ranks of `group`.
 

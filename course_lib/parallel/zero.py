@@ -36,17 +36,20 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.measure import unique_bytes
+from course_lib.reference import reference_for
 
 __all__ = ["ZeroOptimizer", "apply_zero", "all_gather_flat", "reduce_scatter_flat", "chunk_numel", "fill_param",
            "free_param"]
 
 
+@reference_for("05-zero1", "05-zero3-gather")
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
     """(c,) on every rank -> (N*c,) = rank 0's chunk, rank 1's, ... (all_gather_single from torch 2.14 on)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(output, input, group=group)
 
 
+@reference_for("05-zero2-grad")
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
     """(N*c,) on every rank -> (c,) = the sum over ranks of chunk `rank` (reduce_scatter_single from 2.14 on)."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -58,6 +61,7 @@ def chunk_numel(numel: int, world: int) -> int:
     return math.ceil(numel / world)
 
 
+@reference_for("05-zero3-gather")
 def fill_param(param: nn.Parameter, full: torch.Tensor) -> None:
     """ZeRO-3 just-in-time gather, second half: give `param` its storage back (freed by `free_param`) and
     copy the gathered values in. full: (N*c,) every rank's chunk in rank order, padded (N*c >= numel)."""
@@ -67,12 +71,14 @@ def fill_param(param: nn.Parameter, full: torch.Tensor) -> None:
     param.data.copy_(full[:param.numel()].view_as(param))                              # (N*c,) -> param shape
 
 
+@reference_for("05-zero3-gather")
 def free_param(param: nn.Parameter) -> None:
     """ZeRO-3 free: release the full parameter's memory; the tensor (and what autograd saved of it) stays,
     with an empty storage, until `fill_param` fills it again (the trick of FSDP1)."""
     param.data.untyped_storage().resize_(0)
 
 
+@reference_for("05-zero1", "05-zero2-grad", "05-zero3-gather")
 class ZeroOptimizer:
     """ZeRO stage 1, 2 or 3 over `group` for a plain model, fp32 (see the module docstring).
 

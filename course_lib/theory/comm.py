@@ -23,10 +23,12 @@ for the others. :func:`fit_alpha_beta` recovers alpha and the bandwidth from mea
 from __future__ import annotations
 
 import numpy as np
+from course_lib.reference import reference_for
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 
+@reference_for("01-bus-bandwidth")
 def bus_factor(op: str, world_size: int) -> float:
     """nccl-tests bus-bandwidth factor of a collective over ``world_size`` ranks."""
     n = world_size
@@ -45,6 +47,7 @@ def alg_bandwidth(nbytes: float, seconds: float) -> float:
     return nbytes / seconds
 
 
+@reference_for("01-bus-bandwidth")
 def bus_bandwidth(op: str, nbytes: float, seconds: float, world_size: int) -> float:
     """Bus bandwidth (bytes/s) as nccl-tests defines it: ``nbytes / seconds x bus_factor(op, n)``."""
     return nbytes / seconds * bus_factor(op, world_size)

@@ -26,8 +26,10 @@ of the attention matrix skipped. ``causal=True`` gives that convention.
 from __future__ import annotations
 
 from course_lib.config import ModelConfig
+from course_lib.reference import reference_for
 
 
+@reference_for("01-flops-per-token")
 def matmul_params(cfg: ModelConfig) -> int:
     """N of the 6N rule: weights used in a matmul per token (per layer attention + MLP, plus the LM head).
 
@@ -51,6 +53,7 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, caus
     return f / 2 if causal else f
 
 
+@reference_for("01-flops-per-token")
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, causal: bool = False,
                     training: bool = True) -> float:
     """Model FLOPs per token: 6N + 12 L T d for training (forward + backward), 2N + 4 L T d forward only."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from course_lib.config import ModelConfig
+from course_lib.reference import reference_for
 
 DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8,
                "float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8}
@@ -47,6 +48,7 @@ def num_param_tensors(cfg: ModelConfig) -> int:
     return cfg.n_layer * per_layer + 2 + (2 if cfg.bias else 1) + (0 if cfg.tie_embeddings else 1)
 
 
+@reference_for("01-training-memory")
 def training_memory_bytes(cfg: ModelConfig | int, optimizer: str = "adam", dtype=torch.float32,
                           step_counters: int = 0) -> dict:
     """Bytes of parameters, gradients and optimizer state for a model (or a parameter count).
@@ -118,6 +120,7 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int | None = No
 # ZeRO: model state per rank when it is sharded over N data-parallel ranks (lesson 05)
 # ---------------------------------------------------------------------------------------------
 
+@reference_for("05-memory-formula")
 def zero_model_state_bytes(n_params: int, world_size: int, stage: int, mixed: bool = True,
                            offload: str | None = None, step_counters: int = 0) -> dict:
     """Bytes of model state per rank under ZeRO stage 0-3 with Adam (Rajbhandari et al. 2020, section 5).

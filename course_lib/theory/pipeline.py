@@ -18,6 +18,7 @@ p stages, m micro-batches, t_f / t_b the forward / backward time of one micro-ba
 """
 
 from __future__ import annotations
+from course_lib.reference import reference_for
 
 __all__ = ["bubble_fraction", "bubble_ratio", "interleaved_bubble_fraction", "zero_bubble_idle_time",
            "one_f_one_b_idle_time", "peak_microbatches_in_flight", "step_time"]
@@ -28,6 +29,7 @@ def _validate(p: int, m: int) -> None:
         raise ValueError(f"need p >= 1 stages and m >= 1 micro-batches; got p={p}, m={m}")
 
 
+@reference_for("03-bubble")
 def bubble_fraction(p: int, m: int) -> float:
     """Fraction of a GPipe / 1F1B step that a rank is idle: (p - 1) / (m + p - 1)."""
     _validate(p, m)

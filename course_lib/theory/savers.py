@@ -32,6 +32,7 @@ import torch
 from course_lib.config import ModelConfig
 from course_lib.theory.memory import (activation_bytes, dtype_bytes, num_param_tensors, per_rank_bytes,
                                       training_memory_bytes)
+from course_lib.reference import reference_for
 
 __all__ = ["attention_saved_bytes", "model_activation_bytes", "checkpointed_activation_bytes",
            "selective_layer_bytes", "korthikanti_layer_bytes", "best_checkpoint_every", "recompute_flops",
@@ -56,6 +57,7 @@ def attention_saved_bytes(batch: int, n_head: int, seq_len: int, head_dim: int, 
     raise ValueError(f"kind={kind!r}: use 'naive' or 'sdpa'")
 
 
+@reference_for("07-activation-estimator")
 def model_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int | None = None, dtype=torch.float32,
                            attention: str = "sdpa") -> dict:
     """:func:`course_lib.theory.memory.activation_bytes` for SDPA, or for naive attention: each layer keeps the
@@ -83,6 +85,7 @@ def selective_layer_bytes(cfg: ModelConfig, batch_size: int, seq_len: int | None
     return bt * ((7 * cfg.d_model + cfg.d_ff) * dtype_bytes(dtype) + 4 * cfg.n_head)
 
 
+@reference_for("07-activation-estimator")
 def checkpointed_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int | None = None,
                                   every: int | None = None, dtype=torch.float32, attention: str = "sdpa",
                                   selective: bool = False) -> dict:
@@ -192,6 +195,7 @@ def planner_bytes(cfg: ModelConfig, world_size: int = 1, stage: int = 0, offload
     return out
 
 
+@reference_for("07-budget-fitter")
 def fit_budget(budget_bytes: float, candidates, global_batch: int, everys=(None, 1, 2, 4),
                offloads=(None,), seq_len: int | None = None) -> dict | None:
     """The largest model (most parameters) among ``candidates`` that trains within ``budget_bytes`` per device.

@@ -27,6 +27,7 @@ from course_lib.measure import Stopwatch, interval_union, intervals_length, sync
 from course_lib.model import build_model, lm_loss
 from course_lib.parallel.collectives import ByteCounter, ring_all_reduce
 from course_lib.parallel.ddp import BucketedDDP, average_gradients
+from course_lib.reference import reference_for
 
 __all__ = ["rank_train", "accumulation_step", "rank_throughput", "rank_ring_vs_all_reduce"]
 
@@ -79,6 +80,7 @@ def rank_train(cfg: ModelConfig, batches, mode: str = "bucketed", lr: float = 0.
             "num_all_reduces": getattr(ddp, "num_all_reduces", None)}
 
 
+@reference_for("02-grad-accum")
 def accumulation_step(ddp: BucketedDDP, model: nn.Module, optimizer: torch.optim.Optimizer,
                       micro_batches: list) -> torch.Tensor:
     """One optimizer step over k micro-batches: no communication on the first k-1 (`no_sync`), one

@@ -28,6 +28,7 @@ from course_lib.grading.check import check_close, check_equal
 from course_lib.lessons.common import relative_error
 from course_lib.lessons.l04_tensor_parallel.experiments import tp_group
 from course_lib.measure import CollectiveCounter
+from course_lib.reference import reference_for
 
 __all__ = ["rank_try_all", "check_records", "reference_impls", "wrong_impls", "EXERCISES"]
 
@@ -227,16 +228,19 @@ def check_records(returns: list, exercise: str, tps=None) -> int:
 
 # ------------------------------------------------------------------ reference and wrong answers (tests)
 
+@reference_for("04-column-parallel")
 def _column(full, group=None):
     from course_lib.parallel.tensor import ColumnParallelLinear
     return ColumnParallelLinear.from_linear(full, group)
 
 
+@reference_for("04-row-parallel")
 def _row(full, group=None):
     from course_lib.parallel.tensor import RowParallelLinear
     return RowParallelLinear.from_linear(full, group)
 
 
+@reference_for("04-parallel-mlp")
 def _mlp(mlp, group=None):
     from course_lib.parallel.tensor import ParallelMLP
     return ParallelMLP.from_mlp(mlp, group)
