@@ -3,6 +3,14 @@
 A rule fires when its condition has held for a duration, as Prometheus' alerting rules do (``expr`` with
 ``for:``): one noisy sample does not page anyone, a condition that lasts does, once.
 
+One difference from Prometheus, on purpose: Prometheus checks that the alert "continues to be active during each
+evaluation" (its documentation of ``for``), and an evaluation in which ``expr`` returns nothing for the series ends
+the pending alert, so that ``for:`` starts over. A NaN sample does that (a comparison with NaN is false, so the
+series drops out of the result), and so does a missing sample (the series went stale: no sample for 5 minutes, or
+a failed scrape). This engine ignores a NaN or a missing metric instead: the episode neither ends nor advances.
+A run logs NaN exactly when it is in trouble, and a run that logs every ``logging.interval`` steps has no sample
+in between; neither should restart a 10-minute clock.
+
     engine = AlertEngine(SEED_RULES, scale=1 / 60)        # the rules' minutes become seconds
     for alert in engine.observe(time.time(), {"loss": 11.2, "grad_norm": 3.1}):
         print(alert)
@@ -27,7 +35,8 @@ The seed course's production rules (`SEED_RULES`) and their units:
     grad_norm          global gradient norm before clipping          > 100    for 5 min
     comm_fraction      communication (waiting) time / step time, 0-1 > 0.30   for 10 min
     sync_time_s        time in a step's synchronisation, seconds     > 5      for 5 min
-    node_failure_rate  failed nodes (ranks) / nodes, 0-1             > 0.05   for 1 min
+    node_failure_rate  nodes (ranks) that failed in the last hour / nodes, 0-1: a windowed rate
+                       (`node_failure_rate`), back to 0 an hour after a failure   > 0.05   for 1 min
 plus ``loss_nan``: the loss is NaN or infinite, at once (for 0 s); it is the one rule a NaN can trigger.
 """
 
@@ -36,8 +45,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
+from course_lib.reference import reference_for
 
-__all__ = ["Rule", "Alert", "AlertEngine", "SEED_RULES", "evaluate"]
+__all__ = ["Rule", "Alert", "AlertEngine", "SEED_RULES", "evaluate", "FAILURE_WINDOW_S", "node_failure_rate"]
 
 _OPS = (">", "<", "nonfinite")
 
@@ -106,6 +116,7 @@ class _State:
     fired: bool = False
 
 
+@reference_for("09-alert-rule")
 @dataclass
 class AlertEngine:
     """Evaluates ``rules`` on each observation; see the module docstring for the semantics (lesson 09).
@@ -172,3 +183,22 @@ def evaluate(records: Iterable[Mapping[str, float]], rules: Iterable[Rule] = SEE
             raise ValueError(f"record {i} has no 'time' key (seconds): {sorted(rec)}")
         alerts += engine.observe(float(rec["time"]), {k: v for k, v in rec.items() if k != "time"})
     return alerts
+
+
+FAILURE_WINDOW_S = 3600.0      # the window of `node_failure_rate`: one hour
+
+
+def node_failure_rate(failure_times: Iterable[float], t: float, nodes: int,
+                      window_s: float = FAILURE_WINDOW_S) -> float:
+    """Nodes that failed in the window (t - window_s, t], per node (lesson 09): a windowed rate, as Prometheus'
+    ``increase(node_failures_total[1h]) / nodes``. ``failure_times``: when each failure happened, in seconds of
+    the same clock as ``t`` (one entry per failed node; the training script records the clock at each restart).
+
+    A count since the job began would only grow: after one failure the seed's rule (> 5 % for 1 min) would stay
+    in the alarm state for the rest of the run and never fire again. The windowed rate falls back to 0 one window
+    after the last failure, which clears the alarm and re-arms the rule."""
+    if not (isinstance(nodes, int) and nodes >= 1):
+        raise ValueError(f"nodes={nodes!r}: need an int >= 1 (the job's ranks or nodes)")
+    if not window_s > 0:
+        raise ValueError(f"window_s={window_s}: the window must be > 0 seconds")
+    return min(1.0, sum(t - window_s < f <= t for f in failure_times) / nodes)

@@ -48,6 +48,7 @@ TERMS: dict[str, str] = {
     "roofline model": "屋顶线模型",
     "peak throughput": "峰值算力",
     "model FLOPs utilisation (MFU)": "模型算力利用率",
+    "hardware FLOPs utilisation (HFU)": "硬件算力利用率",
     "memory bandwidth": "内存带宽（显存带宽）",
     "algorithm bandwidth": "算法带宽",
     "bus bandwidth": "总线带宽",

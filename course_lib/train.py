@@ -286,6 +286,8 @@ def train(cfg, layout: dict) -> dict:
     record = _previous_record(out) if rank == 0 and start else {"losses": {}, "alerts": [], "resumed_from": []}
     if start:
         record["resumed_from"].append(start)
+    failures = record.setdefault("failures", [])        # the alert clock at each restart: one failed rank each
+    failures += [start * step_clock if step_clock else time.time()] * max(0, _restart_count() - len(failures))
     flops_per_step = 6 * mcfg.num_params() * cfg.data.global_batch * mcfg.seq_len
     bar = _progress(rank, start, cfg.schedule.steps)
     for step in range(start, cfg.schedule.steps):
@@ -312,10 +314,12 @@ def train(cfg, layout: dict) -> dict:
                        mcfg.seq_len / step_s, "throughput": cfg.data.global_batch / step_s,
                        "step_s": step_s, "sync_time_s": sync_s, "comm_fraction": sync_s / step_s,
                        "achieved_flops": flops_per_step / step_s / world, "memory_fraction": memory_fraction(device),
-                       "node_failure_rate": min(1.0, _restart_count() / world), "compute_s": compute_s}
+                       "compute_s": compute_s}
+            now = step * step_clock if step_clock else time.time()
+            metrics["node_failure_rate"] = alerts.node_failure_rate(failures, now, world)   # in the last hour
             writer.write(step, metrics)
             if rules is not None:
-                for alert in rules.observe(step * step_clock if step_clock else time.time(), metrics):
+                for alert in rules.observe(now, metrics):
                     print(f"[alert] step {step}: {alert}", flush=True)
                     record["alerts"].append({"step": step, "rule": alert.rule.name, "metric": alert.rule.metric,
                                              "text": str(alert)})

@@ -140,3 +140,30 @@ def test_alert_reads_in_one_line_and_engine_checks_its_input():
         engine.observe(5.0, HEALTHY)
     with pytest.raises(ValueError, match="time"):
         evaluate([{"loss": 1.0}])
+
+
+def test_node_failure_rate_is_a_windowed_rate_and_the_rule_rearms():
+    """`node_failure_rate` counts the failures of the last hour only (a count since the job began would only grow):
+    one of 8 ranks failed at t = 1000 s -> 1/8 until t = 4600 s, then 0; the seed rule (> 5 % for 1 min) fires a
+    minute after each failure, clears when the window has passed, and fires again on a later failure."""
+    from course_lib.alerts import FAILURE_WINDOW_S, node_failure_rate
+
+    assert FAILURE_WINDOW_S == 3600.0
+    assert node_failure_rate([], 5000.0, 8) == 0.0
+    assert node_failure_rate([1000.0], 999.0, 8) == 0.0                          # not yet
+    assert node_failure_rate([1000.0], 1000.0, 8) == node_failure_rate([1000.0], 4599.0, 8) == 1 / 8
+    assert node_failure_rate([1000.0], 4600.0, 8) == 0.0                         # an hour later: out of the window
+    assert node_failure_rate([1000.0, 2000.0, 2500.0], 4000.0, 8) == 3 / 8
+    assert node_failure_rate([0.0] * 20, 10.0, 8) == 1.0                          # a fraction of the nodes: at most 1
+    assert node_failure_rate([1000.0], 1100.0, 8, window_s=60.0) == 0.0
+    with pytest.raises(ValueError, match="nodes"):
+        node_failure_rate([], 0.0, 0)
+    with pytest.raises(ValueError, match="window"):
+        node_failure_rate([], 0.0, 8, window_s=0.0)
+    failures, engine, fired = [1000.0, 9000.0], AlertEngine(SEED_RULES), []
+    for t in range(0, 14000, 30):
+        metrics = dict(HEALTHY, node_failure_rate=node_failure_rate([f for f in failures if f <= t], t, 8))
+        fired += [(t, a.rule.name) for a in engine.observe(float(t), metrics)]
+        if t == 5000:
+            assert engine.firing == [], "the alarm must clear once the failure has left the window"
+    assert fired == [(1080, "node_failure_rate_high"), (9060, "node_failure_rate_high")]

@@ -1,14 +1,22 @@
 """The 3D planner (lesson 08): its memory checked against the shards PyTorch creates on a fake process group of up to
-2,048 ranks, and its choices checked for the properties a planner must have."""
+2,048 ranks, its terms checked one by one (GiB, the position table, the gradient dtype, Korthikanti et al.'s count,
+the bubble, the stage that needs the most memory), and its choices checked for the properties a planner must have."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
 from course_lib.config import get_preset
 from course_lib.lessons.l08_three_d.simulate import LAYOUTS, fake_group_shards
 from course_lib.measure import GPU_SPECS
-from course_lib.theory.planner import Cluster, Layout, estimate, plan, stage_params
+from course_lib.theory import comm
+from course_lib.theory.memory import zero_model_state_bytes
+from course_lib.theory import pipeline
+from course_lib.theory.planner import (NOT_MODELLED, Cluster, GiB, Layout, estimate, korthikanti_layer_bytes,
+                                       layer_activation_bytes, layer_params, link, model_state_bytes, plan,
+                                       position_params, stage_params)
 
 A100, H100 = GPU_SPECS["A100"], GPU_SPECS["H100"]
 IB = Cluster("128 nodes x 8 A100, InfiniBand 200 Gb/s per GPU", 128, 8, 25.0)
@@ -28,7 +36,7 @@ def test_memory_falls_with_zero_stage_and_checkpointing():
     cfg = get_preset("gpt3-175b")
     mem = {z: estimate(cfg, A100, IB, Layout(16, 8, 8, z, "none", 1), 1536).memory["model_states"] for z in (0, 1)}
     assert mem[1] < mem[0]
-    assert mem[0] == pytest.approx(16 * stage_params(cfg, 8, 8))
+    assert mem[0] == pytest.approx(18 * stage_params(cfg, 8, 8))            # 2 + 4 + 12: fp32 gradients
     acts = [estimate(cfg, A100, IB, Layout(16, 8, 8, 1, c, 1), 1536).memory["activations"]
             for c in ("none", "selective", "full")]
     assert acts[0] > acts[1] > acts[2]
@@ -48,8 +56,150 @@ def test_infeasible_layouts_say_why_and_small_models_need_only_data_parallelism(
     cfg = get_preset("gpt3-175b")
     rows = plan(cfg, A100, IB, 1536)
     why = {r.why for r in rows if not r.feasible}
-    assert any("GB per GPU > 80 GB" in w for w in why)
-    assert any("ZeRO-2 with a pipeline" in w for w in why)
+    assert any("GiB per GPU (first stage) > 80 GiB" in w for w in why)
     assert all(r.feasible for r in rows[:5]) and rows[0].layout.tp == 8
     small = plan(get_preset("gpt2-1.5b"), H100, Cluster("1 node x 8 H100", 1, 8), 64)
     assert small[0].layout.tp == 1 and small[0].layout.pp == 1 and small[0].layout.dp == 8
+
+
+def test_gpu_memory_is_gib():
+    """An "80 GB" A100 holds 80 GiB = 85.9e9 bytes: a layout needing 82e9 bytes fits (it would not at 1e9 per GB);
+    one needing 81 GiB does not, and the reason says GiB."""
+    assert GiB == 2 ** 30
+    cfg, layout = get_preset("gpt3-175b"), Layout(16, 8, 8, 1, "none", 1)
+    base = estimate(cfg, A100, IB, layout, 1536, reserve_gib=0).memory["total"]
+    fits = estimate(cfg, A100, IB, layout, 1536, reserve_gib=(82e9 - base) / GiB)
+    assert fits.memory["total"] == pytest.approx(82e9) and fits.feasible, fits.why
+    over = estimate(cfg, A100, IB, layout, 1536, reserve_gib=(81 * GiB - base) / GiB)
+    assert not over.feasible and "81.0 GiB per GPU (first stage) > 80 GiB" in over.why
+
+
+def test_stage_params_hold_the_learned_position_table_whole_on_the_first_stage():
+    """GPT-3's 2,048 x 12,288 position table sits on the first stage, whole on every TP rank (replicated, not split):
+    0.9-1.8 % of the first stage's parameters per GPU at pp 16-8; RoPE models have none, nor has the last stage."""
+    cfg = get_preset("gpt3-175b")
+    assert position_params(cfg) == 2048 * 12288
+    assert position_params(get_preset("llama3-405b")) == 0
+    for tp in (1, 8):
+        for pp in (1, 8, 16):
+            blocks = math.ceil(96 / pp) * layer_params(cfg)
+            vocab = cfg.vocab_size * cfg.d_model
+            assert stage_params(cfg, tp, pp) == (blocks + vocab) // tp + 2048 * 12288, (tp, pp)
+            assert stage_params(cfg, tp, pp) - stage_params(cfg.replace(pos="rope"), tp, pp) == 2048 * 12288
+    assert stage_params(cfg, 8, 16, "last") == (6 * layer_params(cfg) + cfg.vocab_size * cfg.d_model) // 8
+    shares = [position_params(cfg) / stage_params(cfg, 8, pp) for pp in (8, 16)]
+    assert 0.008 < shares[0] < 0.010 and 0.017 < shares[1] < 0.019, shares
+
+
+def test_gradient_dtype_is_a_parameter_with_fp32_by_default():
+    """2 + 4 + 12 bytes per parameter by default (fp32 gradients, Megatron-LM and Llama 3); ``grad_bytes=2`` is
+    lesson 05's 2 + 2 + 12 for every ZeRO stage. DP moves the gradients in their dtype: ZeRO-1 reduce-scatters 4-byte
+    gradients and all-gathers 2-byte parameters; with 2-byte gradients that is exactly one all-reduce."""
+    for zero in range(4):
+        for dp in (1, 8, 64):
+            lesson05 = zero_model_state_bytes(1e9, dp, zero)
+            mine = model_state_bytes(1e9, dp, zero, grad_bytes=2)
+            assert mine == {k: lesson05[k] for k in mine}
+    assert model_state_bytes(1, 1, 0)["total"] == 18 and model_state_bytes(1, 12, 1)["total"] == 6 + 12 / 12
+    cfg, layout = get_preset("gpt3-175b"), Layout(16, 8, 8, 0, "none", 1)
+    for g in (2, 4):
+        assert estimate(cfg, A100, IB, layout, 1536, grad_bytes=g).memory["model_states"] == pytest.approx(
+            (2 + g + 12) * stage_params(cfg, 8, 8))
+    P = stage_params(cfg, 8, 8)
+    alpha, bw = link(IB, A100, 8, 16)
+    zero1 = {g: estimate(cfg, A100, IB, Layout(16, 8, 8, 1, "none", 1), 1536, grad_bytes=g).time["dp"] for g in (2, 4)}
+    assert zero1[2] == pytest.approx(comm.collective_time("all_reduce", 2 * P, 16, alpha, bw))
+    assert zero1[4] == pytest.approx(comm.collective_time("reduce_scatter", 4 * P, 16, alpha, bw)
+                                     + comm.collective_time("all_gather", 2 * P, 16, alpha, bw))
+    zero0 = estimate(cfg, A100, IB, layout, 1536).time["dp"]
+    assert zero0 == pytest.approx(comm.collective_time("all_reduce", 4 * P, 16, alpha, bw))
+
+
+def test_korthikanti_count_against_todays_block():
+    """Korthikanti et al. 2022, table 2, for GPT-3 175B at t = 8: 23 sbh with TP, 14.25 sbh with TP + SP, 4.25 sbh
+    with TP + SP and selective recomputation; the planner's fused-attention block keeps 4.0 sbh, Llama 3's about 6."""
+    cfg = get_preset("gpt3-175b")
+    sbh = cfg.seq_len * cfg.d_model
+    assert korthikanti_layer_bytes(cfg, 8) / sbh == pytest.approx(14.25)
+    assert korthikanti_layer_bytes(cfg, 8, sequence_parallel=False) / sbh == pytest.approx(23.0)
+    assert korthikanti_layer_bytes(cfg, 8, selective=True) / sbh == pytest.approx(4.25)
+    assert korthikanti_layer_bytes(cfg, 1) / sbh == pytest.approx(34 + 5 * 96 * 2048 / 12288)
+    assert sum(layer_activation_bytes(cfg, 8).values()) / sbh == pytest.approx(4.0, abs=0.01)
+    for name in ("llama3-70b", "llama3-405b"):
+        c = get_preset(name)
+        assert 5.5 < sum(layer_activation_bytes(c, 8).values()) / (c.seq_len * c.d_model) < 6.5, name
+
+
+def test_selective_recomputation_frees_only_the_log_sum_exp():
+    """With fused attention, selective recomputation frees the kernel's fp32 log-sum-exp only: 0.1 % of a GPT-3
+    layer at t = 8, for the price of recomputing the attention core."""
+    cfg = get_preset("gpt3-175b")
+    parts = layer_activation_bytes(cfg, 8)
+    assert parts["logsumexp"] / sum(parts.values()) < 0.002
+    none, sel = (estimate(cfg, A100, IB, Layout(16, 8, 8, 1, c, 1), 1536) for c in ("none", "selective"))
+    assert 0 < none.memory["activations"] - sel.memory["activations"] < 0.002 * none.memory["activations"]
+    assert sel.time["compute"] > none.time["compute"]
+
+
+def test_bubble_is_p_minus_1_over_m_of_compute_and_p_minus_1_over_m_plus_p_minus_1_of_the_step():
+    cfg = get_preset("gpt3-175b")
+    e = estimate(cfg, A100, IB, Layout(16, 8, 8, 1, "none", 1), 1536)
+    p, m = 8, e.accum
+    assert e.time["bubble"] / e.time["compute"] == pytest.approx((p - 1) / m)
+    share = e.time["bubble"] / (e.time["compute"] + e.time["bubble"])
+    assert share == pytest.approx((p - 1) / (m + p - 1)) and share == pytest.approx(pipeline.bubble_fraction(p, m))
+    assert e.time["bubble"] / e.time["compute"] == pytest.approx(pipeline.bubble_ratio(p, m))
+
+
+def test_memory_is_the_largest_stage_not_a_sum_of_maxima():
+    """The first stage holds min(pp, m) micro-batches and the embedding, the last one micro-batch and the logits:
+    memory is that of the stage that needs more. With one micro-batch per step and a 128K vocabulary the last stage
+    needs more (Llama 3 405B); with 96 micro-batches the first (GPT-3)."""
+    cfg = get_preset("llama3-405b")
+    lay = Layout(64, 8, 16, 1, "full", 1)
+    e = estimate(cfg, GPU_SPECS["H100"], Cluster("1024 x 8", 1024, 8, 50.0), lay, 64)
+    assert e.accum == 1 and e.memory_stage == "last" and e.memory["logits"] > 0
+    first = (model_state_bytes(stage_params(cfg, 8, 16), 64, 1)["total"] + e.memory["activations"]
+             + e.memory["reserve"])
+    assert e.memory["total"] == pytest.approx(first - model_state_bytes(stage_params(cfg, 8, 16), 64, 1)["total"]
+                                              + model_state_bytes(stage_params(cfg, 8, 16, "last"), 64, 1)["total"]
+                                              + e.memory["logits"])
+    assert e.memory["total"] > first
+    g = estimate(get_preset("gpt3-175b"), A100, IB, Layout(16, 8, 8, 1, "none", 1), 1536)
+    assert g.memory_stage == "first" and g.memory["logits"] == 0
+    assert estimate(get_preset("gpt3-175b"), A100, IB, Layout(128, 8, 1, 1, "full", 1), 1536).memory_stage == "only"
+
+
+def test_kernel_efficiency_is_hfu_and_mfu_is_three_quarters_of_it_with_full_recomputation():
+    """The assumed efficiency applies to the FLOPs the GPUs execute; with full recomputation those are 8 per
+    parameter per token where the model's are 6, so the step's MFU is 3/4 of its HFU."""
+    cfg = get_preset("gpt3-175b")
+    e = estimate(cfg, A100, IB, Layout(16, 8, 8, 1, "full", 1), 1536, kernel_efficiency=0.5)
+    assert e.hfu == pytest.approx(0.5 * e.time["compute"] / e.time["total"])
+    assert e.mfu == pytest.approx(0.75 * e.hfu)
+    n = estimate(cfg, A100, IB, Layout(16, 8, 8, 1, "none", 1), 1536, kernel_efficiency=0.5)
+    assert n.mfu == pytest.approx(n.hfu)
+
+
+def test_pipeline_with_zero_2_or_3_is_not_modelled_rather_than_infeasible():
+    rows = plan(get_preset("gpt3-175b"), A100, IB, 1536)
+    skipped = [r for r in rows if r.status == "not modelled"]
+    assert skipped and all(r.layout.pp > 1 and r.layout.zero >= 2 for r in skipped)
+    assert all(NOT_MODELLED in r.not_modelled and "torchtitan does it" in r.not_modelled for r in skipped)
+    assert not any(r.feasible for r in skipped)
+    assert [r.status for r in rows] == sorted((r.status for r in rows),
+                                              key=["feasible", "infeasible", "not modelled"].index)
+    assert all(r.status != "not modelled" for r in rows if r.layout.pp == 1 or r.layout.zero < 2)
+
+
+def test_plan_lists_only_tp_that_divides_a_node_and_links_need_groups_inside_a_node():
+    """tp = 64 on 8-GPU nodes is never listed (estimate still prices it); a group stays on NVLink only when
+    stride x size divides the GPUs per node."""
+    rows = plan(get_preset("gpt3-175b"), A100, IB, 1536)
+    assert {r.layout.tp for r in rows} == {1, 2, 4, 8}
+    wide = estimate(get_preset("gpt3-175b"), A100, IB, Layout(2, 64, 8, 1, "none", 1), 1536)
+    assert "tp=64 does not divide n_head=96" in wide.why
+    nvlink, network = A100.link_gbs * 1e9, 25.0 * 1e9
+    assert link(IB, A100, 1, 8)[1] == nvlink and link(IB, A100, 2, 4)[1] == nvlink
+    assert link(IB, A100, 1, 3)[1] == network and link(IB, A100, 2, 3)[1] == network
+    assert link(IB, A100, 8, 2)[1] == network

@@ -34,3 +34,20 @@ def test_young_interval_minimises_the_first_order_waste():
     # Daly's higher-order optimum is within a few percent of Young's when delta << M, and M beyond 2M.
     assert practice.daly_interval(delta, mtbf) == pytest.approx(tau, rel=0.05)
     assert practice.daly_interval(10.0, 4.0) == 4.0
+
+
+def test_llama3_interruptions_and_the_checkpoint_bytes_the_lesson_uses():
+    """Lesson 09, section 5.2: Llama 3's 419 interruptions (all causes) in 54 days on 16,384 GPUs are one per about
+    50,000 GPU-hours; a 175B mixed-precision Adam checkpoint is 14 bytes per parameter, 2.4 TB, 60 s at 40 GB/s."""
+    per = practice.gpu_hours_per_interruption(419, 54, 16_384)
+    assert per == pytest.approx(16_384 * 54 * 24 / 419) and per == pytest.approx(50_000, rel=0.02)
+    assert practice.job_mtbf(per * 3600, 16_384) / 3600 == pytest.approx(54 * 24 / 419)   # one every ~3 hours
+    assert practice.CHECKPOINT_BYTES_PER_PARAM == {"bf16 weights": 2, "fp32 master weights": 4, "Adam m (fp32)": 4,
+                                                   "Adam v (fp32)": 4}
+    n = get_preset("gpt3-175b").num_params()
+    assert practice.checkpoint_bytes(n) == 14 * n
+    assert practice.checkpoint_bytes(n) / 1e12 == pytest.approx(2.4, rel=0.03)
+    assert practice.checkpoint_bytes(n) / 40e9 == pytest.approx(60.0, rel=0.05)
+    assert practice.checkpoint_bytes(1.0, {"fp32 weights": 4}) == 4.0
+    with pytest.raises(ValueError, match="interruptions"):
+        practice.gpu_hours_per_interruption(0, 54, 16_384)

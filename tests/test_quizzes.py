@@ -40,11 +40,12 @@ EXPECTED = {
     "06": {"q1": torch.finfo(torch.float16).max, "q2": 2.0 ** 16 * 0.5 ** 3 * 2, "q3": 2 + 2 + 4 + 4 + 4},
     "07": {"q1": 32 * 8192 ** 2 * 2 / 1e9, "q2": theory.savers.best_checkpoint_every(64, 16.0, 1.0)["every"],
            "q3": theory.savers.recompute_flops_ratio(1.0)},
-    "08": {"q1": max(GridLayout(dp=4, pp=2, tp=8).members(21, "pp")), "q2": theory.pipeline.bubble_fraction(8, 32),
+    "08": {"q1": max(GridLayout(dp=4, pp=2, tp=8).members(21, "pp")),
+           "q2": theory.pipeline.bubble_fraction(12, 1536 // (16 * 1)),                # dp 16, micro-batch 1
            "q3": (2 + 2 + 12 / 12) * 175e9 / (8 * 16) / 1e9},
     "09": {"q1": schedules.warmup_cosine(301_000, peak_lr=6e-4, warmup_steps=2000, total_steps=600_000, min_lr=6e-5),
            "q2": practice.young_daly_interval(120, practice.job_mtbf(50_000 * 3600, 16384)) / 60,
-           "q3": math.sqrt(8)},
+           "q3": min(1.0, 1.0 / (0.5 * math.sqrt(8) + 1e-6))},     # max_norm / the norm summed over 8 replicas
 }
 
 

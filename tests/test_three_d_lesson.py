@@ -14,7 +14,7 @@ from course_lib.grading.check import CheckFailed
 from course_lib.lessons.l08_three_d import checks, report
 from course_lib.measure import GPU_SPECS
 from course_lib.theory import planner
-from course_lib.theory.memory import zero_model_state_bytes
+from course_lib.theory.planner import GiB
 
 matplotlib.use("Agg")
 
@@ -44,16 +44,33 @@ def params_no_embedding(cfg, tp, pp):
     return math.ceil(cfg.n_layer / pp) * planner.layer_params(cfg) / tp
 
 
-def state(cfg, dp, tp, pp, zero):
-    return zero_model_state_bytes(params(cfg, tp, pp), dp, zero)["total"]
+def params_no_position_table(cfg, tp, pp):
+    return planner.stage_params(cfg.replace(pos="rope"), tp, pp)
 
 
-def state_zero3_always(cfg, dp, tp, pp, zero):
-    return zero_model_state_bytes(params(cfg, tp, pp), dp, 3)["total"]
+def params_position_table_split(cfg, tp, pp):           # the table divided over TP, which keeps it whole
+    return planner.stage_params(cfg.replace(pos="rope"), tp, pp) + planner.position_params(cfg) / tp
 
 
-def step_time(cfg, gpu, cluster, layout, global_batch, mfu=0.4, bubble=True):
-    time = planner.estimate(cfg, gpu, cluster, layout, global_batch, mfu=mfu).time
+def state(cfg, dp, tp, pp, zero, grad_bytes=4):
+    return planner.model_state_bytes(params(cfg, tp, pp), dp, zero, grad_bytes)["total"]
+
+
+def state_zero3_always(cfg, dp, tp, pp, zero, grad_bytes=4):
+    return planner.model_state_bytes(params(cfg, tp, pp), dp, 3, grad_bytes)["total"]
+
+
+def state_bf16_gradients_always(cfg, dp, tp, pp, zero, grad_bytes=4):
+    return planner.model_state_bytes(params(cfg, tp, pp), dp, zero, 2)["total"]
+
+
+def state_bf16_by_default(cfg, dp, tp, pp, zero, grad_bytes=2):
+    return planner.model_state_bytes(params(cfg, tp, pp), dp, zero, grad_bytes)["total"]
+
+
+def step_time(cfg, gpu, cluster, layout, global_batch, kernel_efficiency=0.4, bubble=True, grad_bytes=4):
+    time = planner.estimate(cfg, gpu, cluster, layout, global_batch, kernel_efficiency=kernel_efficiency,
+                            grad_bytes=grad_bytes).time
     return time if bubble else dict(time, bubble=0.0)
 
 
@@ -81,7 +98,11 @@ def test_wrong_group_members_fail():
 
 
 @pytest.mark.parametrize("p, s, what", [(params_no_embedding, state, "params_per_gpu"),
-                                        (params, state_zero3_always, "state_bytes_per_gpu")])
+                                        (params_no_position_table, state, "params_per_gpu"),
+                                        (params_position_table_split, state, "params_per_gpu"),
+                                        (params, state_zero3_always, "state_bytes_per_gpu"),
+                                        (params, state_bf16_gradients_always, "grad_bytes=4"),
+                                        (params, state_bf16_by_default, "fp32 gradients by default")])
 def test_wrong_memory_fails(p, s, what):
     with pytest.raises(CheckFailed, match=what):
         checks.check_stage_memory(p, s, fake_group=False)
@@ -90,17 +111,37 @@ def test_wrong_memory_fails(p, s, what):
 def test_wrong_step_time_fails_on_the_wrong_part():
     with pytest.raises(CheckFailed, match="bubble seconds"):
         checks.check_step_time(lambda *a: step_time(*a, bubble=False))
+    with pytest.raises(CheckFailed, match="dp seconds"):                # bf16 gradients: DP moves half the bytes
+        checks.check_step_time(lambda *a: step_time(*a, grad_bytes=2))
+
+
+def test_the_exercise_checks_import_no_reference_into_the_set_up_cell():
+    """solutions/08's first code cell imports no `checks` module (its `choose_reference` is an exercise's answer);
+    each test cell imports what it calls."""
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parents[1] / "solutions" / "08_three_d_parallelism.ipynb").read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert "checks" not in "".join(code[0]["source"])
+    for c in code:
+        if c.get("metadata", {}).get("course", {}).get("exercise", "").startswith("08-") and \
+                "grid_checks" in "".join(c["source"]):
+            assert "import checks as grid_checks" in "".join(c["source"]), c["metadata"]
 
 
 def test_choose_ignoring_the_slack_or_the_budget_fails():
-    def fastest(rows, budget_gb, slack):
-        fits = [r for r in rows if r.feasible and r.memory["total"] <= budget_gb * 1e9]
+    def fastest(rows, budget_gib, slack):
+        fits = [r for r in rows if r.feasible and r.memory["total"] <= budget_gib * GiB]
         return fits[0] if fits else None
 
-    def no_budget(rows, budget_gb, slack):
+    def no_budget(rows, budget_gib, slack):
         return checks.choose_reference(rows, 1e9, slack)
 
-    for wrong in (fastest, no_budget):
+    def budget_in_gb(rows, budget_gib, slack):                         # 10^9 bytes: a stricter budget
+        return checks.choose_reference(rows, budget_gib * 1e9 / GiB, slack)
+
+    for wrong in (fastest, no_budget, budget_in_gb):
         with pytest.raises(CheckFailed, match="choose_layout"):
             checks.check_choose_layout(wrong)
 

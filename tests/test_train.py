@@ -99,6 +99,8 @@ def test_killed_rank_restarts_from_its_checkpoint_and_ends_as_if_never_killed(tm
     # Alerts: a healthy run fires none; after the restart the node-failure rule fires (1 of 2 ranks failed).
     assert clean["alerts"] == []
     assert {a["metric"] for a in killed["alerts"]} == {"node_failure_rate"}
+    # node_failure_rate is windowed: the failure is recorded at the restart's clock (step 3 x 100 s), once.
+    assert clean["failures"] == [] and killed["failures"] == [300.0]
 
 
 def test_straggler_fires_the_communication_overhead_alert(tmp_path):

@@ -242,9 +242,12 @@ def load_reference(folder, *, model, optimizer, scheduler):
     return state.step, state.data_position
 
 
-def _save(folder, *, model, optimizer, scheduler, step, data_position, rng=("torch", "python", "numpy")):
+def _save(folder, *, model, optimizer, scheduler, step, data_position, rng=("torch", "python", "numpy", "cuda")):
     os.makedirs(folder, exist_ok=True)
     streams = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        streams["cuda"] = torch.cuda.get_rng_state_all()
+    rng = [k for k in rng if k in streams]
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "step": step, "data_position": data_position, "rng": {k: streams[k] for k in rng}},
                os.path.join(folder, "state.pt"))
@@ -264,7 +267,13 @@ def _load(folder, *, model, optimizer, scheduler, parts=("optimizer", "scheduler
         random.setstate(rng["python"])
     if "numpy" in rng:
         np.random.set_state(rng["numpy"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state_all(rng["cuda"])
     return state["step"], state["data_position"]
+
+
+def save_without_cuda(folder, **kw):                 # right on a CPU machine, wrong where CUDA is present
+    _save(folder, rng=("torch", "python", "numpy"), **kw)
 
 
 def save_torch_rng_only(folder, **kw):
@@ -313,3 +322,34 @@ def test_a_load_that_draws_random_numbers_after_restoring_fails():
         return out
     _fails("torch's random state after load_checkpoint", checks.check_resume, _save, load_reseeding)
 
+
+@pytest.fixture
+def cuda_present(monkeypatch):
+    """CUDA present, as the checks and the answers see it, on a CPU machine: one GPU whose generator state is a small
+    tensor, set by torch.manual_seed (through torch.cuda.manual_seed_all) and by set_rng_state_all."""
+    gen = {"states": [torch.zeros(8, dtype=torch.uint8)]}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)   # AdamW asks
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [t.clone() for t in gen["states"]])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: gen.update(states=[t.clone() for t in states]))
+    monkeypatch.setattr(torch.cuda, "manual_seed_all",
+                        lambda seed: gen.update(states=[torch.full((8,), int(seed) % 251, dtype=torch.uint8)]))
+    return gen
+
+
+def test_resume_check_leaves_the_cuda_generators_out_on_a_cpu_machine():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: there the CUDA generators must be saved")
+    out = checks.check_resume(save_without_cuda, _load)        # nothing to save: the same answer passes
+    assert out["resumed"] == out["losses"][checks.STOP:]
+
+
+def test_resume_check_compares_the_cuda_generators_where_cuda_is_present(cuda_present):
+    """Where CUDA is present the table's CUDA row counts: an answer that saves torch's, Python's and NumPy's
+    generators but not the CUDA ones fails, naming them; the solution's way passes. (dist_checkpoint's own save would
+    open a CUDA stream, which this fake CUDA does not have.)"""
+    checks.check_resume(_save, _load)
+    msg = _fails("the CUDA generators' random state after load_checkpoint", checks.check_resume, save_without_cuda,
+                 _load)
+    assert "torch.cuda" in msg

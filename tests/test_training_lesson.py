@@ -4,6 +4,7 @@ warm-up runs' bookkeeping. One process, no launches, a few seconds."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -87,3 +88,19 @@ def test_tables_and_the_waste_curve():
     assert waste[1] < waste[0] and waste[1] < waste[2]
     row = {"gpu": "A100", "peak": 312e12, "mfu": 0.4, "gpu_hours": 1024 * 24.0, "usd": 2.0}
     assert "1.0" in report.cost_table([row]).splitlines()[-1]           # one day on 1,024 GPUs
+
+
+def test_under_deepspeed_the_script_hands_clipping_to_deepspeed():
+    """Lesson 09, section 2: under DeepSpeed the training script does not clip itself; DeepSpeed's
+    ``gradient_clipping`` does, the JSON's own value or, where the JSON has none, ``clipping.max_norm``
+    (`train.deepspeed_settings`: ``conf.setdefault("gradient_clipping", cfg.clipping.max_norm)``)."""
+    import dataclasses
+
+    from course_lib import train
+
+    cfg, layout = train.check(experiments.CONFIGS / "seed004_deepspeed.toml", 2, {"clipping.max_norm": 0.5})
+    assert cfg.deepspeed["gradient_clipping"] == 1.0                            # the seed's JSON sets it
+    assert train.deepspeed_settings(cfg, layout)["gradient_clipping"] == 1.0
+    bare = dataclasses.replace(cfg, deepspeed={k: v for k, v in cfg.deepspeed.items() if k != "gradient_clipping"})
+    assert train.deepspeed_settings(bare, layout)["gradient_clipping"] == 0.5
+    assert 'conf.setdefault("gradient_clipping", cfg.clipping.max_norm)' in inspect.getsource(train.deepspeed_settings)

@@ -59,13 +59,13 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
     },
     "08": {
         "q1": ("08c5ef557325204fad5cbb35", None, "section 1: a PP group keeps dp and tp, and takes every pp"),
-        "q2": ("0739b6e4e9630569afaa6cac", 0.01, "lesson 03, section 5: the bubble of 1F1B is GPipe's"),
+        "q2": ("68faa19ba2715ce61ea3717b", 0.01, "section 3: the planner's bubble, of the compute and of the step"),
         "q3": ("358257b6ae408c0487d73b1a", 0.02, "section 3: divide by tp x pp, then ZeRO-1's row of lesson 05"),
     },
     "09": {
         "q1": ("1d12243f4b588296d24965d0", 0.01, "section 1: where s stands in the cosine, after the warm-up"),
-        "q2": ("2f1e96df65472ce0172d321c", 0.02, "section 5.2: the job's MTBF is the GPU's over G; sqrt(2 delta M)"),
-        "q3": ("c6fcae8e3651b48ae8ddd344", 0.01, "section 2: the same gradient added dp times under the square root"),
+        "q2": ("2f1e96df65472ce0172d321c", 0.02, "section 5.2: the job's MTBF first, then Young's interval"),
+        "q3": ("c56eed5b7724ce735e65923b", 0.01, "section 2: the norm the bug computes, then the clipping rule there"),
     },
 }
 

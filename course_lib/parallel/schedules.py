@@ -23,20 +23,34 @@ reached at step T (a run of T steps, s = 0..T-1, ends just above it). This is ex
 Warm-up: Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (section 2.2);
 cosine: Loshchilov & Hutter 2017, "SGDR: Stochastic Gradient Descent with Warm Restarts" (eq. 5, one cycle).
 
-DeepSpeed (0.19, ``deepspeed/runtime/lr_schedules.py``, ``warmup_type="linear"``): its schedulers hold
-``last_batch_iteration`` i (-1 after construction, +1 per ``step()``) and set the rate of iteration i:
+DeepSpeed (0.19, ``deepspeed/runtime/lr_schedules.py``): its schedulers hold ``last_batch_iteration`` i (-1 after
+construction, +1 per ``step()``) and set the rate of iteration i. With ``warmup_type="linear"`` (what
+`deepspeed_scheduler_config` writes; DeepSpeed's default is ``"log"``):
   - ``WarmupLR``: min + (max - min) * i / max(2, N) for i < max(2, N), then max. With warmup_min_lr = peak/W,
     warmup_max_lr = peak, warmup_num_steps = W - 1 it is ``warmup_constant`` exactly at i = s (W >= 3, or W <= 1).
-  - ``WarmupCosineLR``: ratio r + (1 - r) * i / N for i < N, then a cosine with progress (i - N + 1) / (T - N).
-    Its first cosine iteration already has progress 1/(T - N) > 0 and its warm-up stays below 1: it never
-    uses the peak rate, so no parameters make it equal to any warm-up that reaches the peak (ours, torch's,
-    Hugging Face's). With N = W - 1, r = 1/W it equals ours in the warm-up (s < W - 1) and is ``one step ahead``
-    in the decay: DeepSpeed(s) = ours(s + 1) for s >= W - 1, a difference of at most
+  - ``WarmupCosineLR``: ratio r + (1 - r) * i / N for i < N (``ratio = self.last_batch_iteration /
+    self.warmup_num_steps``), then a cosine with progress (i - N + 1) / (T - N) (``real_last_step =
+    self.last_batch_iteration - self.warmup_num_steps + 1``). Its first cosine iteration already has progress
+    1/(T - N) > 0 and its linear warm-up stops at (N - 1)/N: with ``warmup_type="linear"`` it never uses the peak
+    rate, so no linear parameters make it equal to any warm-up that reaches the peak (ours, torch's, Hugging
+    Face's). With N = W - 1, r = 1/W it equals ours in the warm-up (s < W - 1) and is ``one step ahead`` in the
+    decay: DeepSpeed(s) = ours(s + 1) for s >= W - 1, a difference of at most
     (peak - min_lr) * sin(pi / (2 (T - W + 1))) per step.
-  - A DeepSpeed *engine* steps its scheduler after each optimizer step and never before the first: update k uses
-    iteration k - 1, so updates 0 and 1 both use warmup_min_lr (WarmupCosineLR: 0, then r * peak). To train with
-    exactly this module's schedule under DeepSpeed, pass ``lr_scheduler=warmup_cosine_scheduler(optimizer, ...)``
-    to ``deepspeed.initialize`` instead of a JSON "scheduler" block.
+  - ``warmup_type="log"`` (the default of both): the warm-up ratio is ``self.inverse_log_warm_up *
+    math.log(self.last_batch_iteration + 1)`` = log(i + 1) / log(N), which is 1 at i = N - 1: the log warm-up does
+    use the peak (to rounding), once, at iteration N - 1; the decay that follows is the same as the linear one's.
+    The choice of warm-up, not DeepSpeed, decides whether the peak is used.
+  - A DeepSpeed *engine* steps its scheduler after each applied optimizer step and never before the first
+    (``engine.py``, ``_take_model_step``: ``if overflow: self.skipped_steps += 1`` ``else: ...
+    self.lr_scheduler.step(**(lr_kwargs or {}))``): update k uses iteration k - 1, and update 0 the rate the
+    constructor set at iteration -1 (``self._last_lr = update_lr(self.optimizer.param_groups, self.get_lr())``).
+    ``WarmupLR.get_lr`` returns ``self.min_lrs`` there, so its updates 0 and 1 both use warmup_min_lr;
+    ``WarmupCosineLR.get_lr`` returns ``[0.0 for _ in self.org_lrs]``, so its update 0 uses 0 (no move at all)
+    and update 1 uses r * peak. On an fp16 overflow the engine skips the optimizer step and the scheduler step
+    together: the schedule counts applied updates, not batches. tests/test_schedules.py pins these first updates
+    on a real one-rank engine, for both schedulers and both warm-up types. To train with exactly this module's
+    schedule under DeepSpeed, pass ``lr_scheduler=warmup_cosine_scheduler(optimizer, ...)`` to
+    ``deepspeed.initialize`` instead of a JSON "scheduler" block.
 
 Layer-wise learning-rate decay (`layerwise_param_groups`): Clark et al. 2020 (ELECTRA, appendix A) and
 Bao et al. 2022 (BEiT, fine-tuning): layer l of L gets base_lr * decay**(L - l), the output layer the most.
@@ -47,6 +61,7 @@ from __future__ import annotations
 import math
 
 import torch
+from course_lib.reference import reference_for
 
 __all__ = ["warmup_cosine", "warmup_constant", "warmup_cosine_scheduler", "warmup_constant_scheduler",
            "torch_warmup_cosine", "deepspeed_scheduler_config", "layerwise_param_groups"]
@@ -83,6 +98,7 @@ def warmup_constant(step: int, peak_lr: float, warmup_steps: int) -> float:
     return peak_lr * min(step + 1, warmup_steps) / warmup_steps
 
 
+@reference_for("09-schedule")
 def warmup_cosine(step: int, *, peak_lr: float, warmup_steps: int, total_steps: int, min_lr: float = 0.0) -> float:
     """Linear warm-up (Goyal et al. 2017), then one cosine from peak_lr to min_lr (Loshchilov & Hutter 2017, SGDR
     eq. 5), then min_lr (lesson 09). With W = warmup_steps, T = total_steps, e = max(W, 1) - 1:
@@ -104,6 +120,7 @@ def warmup_cosine(step: int, *, peak_lr: float, warmup_steps: int, total_steps: 
     return min_lr + (peak_lr - min_lr) * (1.0 + math.cos(math.pi * progress)) / 2.0
 
 
+@reference_for("09-schedule")
 def warmup_cosine_scheduler(optimizer: torch.optim.Optimizer, *, peak_lr: float, warmup_steps: int,
                             total_steps: int, min_lr: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
     """``LambdaLR`` multiplying each param group's initial lr by warmup_cosine(s) / peak_lr (lesson 09).
@@ -122,6 +139,7 @@ def warmup_constant_scheduler(optimizer: torch.optim.Optimizer, *, warmup_steps:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_constant(s, 1.0, warmup_steps))
 
 
+@reference_for("09-schedule")
 def torch_warmup_cosine(optimizer: torch.optim.Optimizer, *, peak_lr: float, warmup_steps: int,
                         total_steps: int, min_lr: float = 0.0) -> torch.optim.lr_scheduler.SequentialLR:
     """The same schedule from torch's own parts (lesson 09): ``LinearLR(start_factor=1/W, end_factor=1,
@@ -151,11 +169,11 @@ def deepspeed_scheduler_config(name: str, *, peak_lr: float, warmup_steps: int, 
     """DeepSpeed's ``"scheduler"`` config block closest to this module's schedule (lesson 09).
 
     name 'WarmupLR': equals ``warmup_constant(s, peak_lr, W)`` at ``last_batch_iteration`` s, exactly.
-    name 'WarmupCosineLR': equals ``warmup_cosine`` for s < W - 1 and ``warmup_cosine(s + 1)`` after (DeepSpeed
-    never uses the peak; see the module docstring); the optimizer's lr must be peak_lr (DeepSpeed's rates are
+    name 'WarmupCosineLR': equals ``warmup_cosine`` for s < W - 1 and ``warmup_cosine(s + 1)`` after (its linear
+    warm-up never uses the peak; see the module docstring); the optimizer's lr must be peak_lr (DeepSpeed's rates are
     ratios of it). DeepSpeed warms up over at least 2 iterations, so W = 2 (WarmupLR) and W < 3
     (WarmupCosineLR) have no twin and raise ValueError. ``warmup_type`` is 'linear' (DeepSpeed's default is
-    'log')."""
+    'log', which reaches the peak at iteration N - 1 and is no twin of ours either)."""
     if name == "WarmupLR":
         _check(peak_lr, warmup_steps)
         if warmup_steps == 2:

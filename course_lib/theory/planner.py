@@ -5,28 +5,42 @@
 
 A layout is (dp, tp, pp, ZeRO stage, activation checkpointing, micro-batch); dp x tp x pp = the cluster's GPUs,
 ranks ordered as `course_lib.dist.ProcessGrid` orders them (TP innermost, then DP, then PP), so a dimension's group
-stays inside a node when ``stride x size <= gpus_per_node``. For each layout, by formula (mixed precision bf16 with
-Adam, Megatron-style TP with sequence parallelism, 1F1B pipeline):
+stays inside a node when ``stride x size`` divides ``gpus_per_node`` (`link`). For each layout, by formula (mixed
+precision bf16 with Adam, Megatron-style TP with sequence parallelism, 1F1B pipeline):
 
-- **memory per GPU**: model states of the largest stage's TP shard, sharded over dp as ZeRO says
-  (`memory.zero_model_state_bytes`); activations per layer in 16-bit counted as Korthikanti et al. (2022) do, for
-  what today's blocks keep (`layer_activation_bytes`: fused attention, GELU or SwiGLU, GQA, LayerNorm or RMSNorm;
-  GPT-3 175B at t = 8: ``4.0 sbh`` where the paper's ``sbh (34/t + 5as/(ht))`` gives ``14.25 sbh``), ``2sbh/t`` per
-  layer held with full recomputation plus one layer's activations while it is recomputed, for the ``min(pp, m)``
-  micro-batches that 1F1B's first stage holds; the last stage's logits (bf16 + their fp32 log-softmax,
-  ``b s V / t``); with ZeRO-3, two layers' gathered 16-bit parameters (the one in use, the one prefetched); a
-  reserve for the CUDA context, NCCL's buffers and fragmentation (``reserve_gb``, an assumption).
-- **step time**: compute = model FLOPs x recomputation factor / (GPUs x peak x MFU) (``mfu`` assumed); the 1F1B
-  bubble ``(pp - 1) / m`` of it; TP's 4 all-reduce-sized collectives per layer per micro-batch of ``b s h`` bf16 (6
-  with full recomputation); PP's two activation messages per micro-batch; DP's gradient all-reduce (ZeRO-1/2: the
-  same volume as reduce-scatter + all-gather; ZeRO-3: an all-gather of the parameters in forward and in backward
-  and a reduce-scatter, per micro-batch) on the alpha-beta model of lesson 01. No overlap of communication with
-  compute: the estimate is an upper bound, and ranks layouts by what they must move.
+- **memory per GPU**, in GiB (2^30 bytes: an "80 GB" A100 or H100 holds 80 GiB, `GiB`), of the stage that needs
+  the most (the first or the last; `Estimate.memory_stage`), not the sum of maxima of different stages:
+  model states of the stage's TP shard (`stage_params`, with a learned position table on the first stage,
+  replicated over TP), sharded over dp as ZeRO says, with gradients of ``grad_bytes`` bytes (`model_state_bytes`:
+  4, fp32, by default, as Megatron-LM's main gradients and Llama 3's FSDP keep them: 2 + 4 + 12 bytes per
+  parameter; ``grad_bytes=2`` gives lesson 05's 2 + 2 + 12); activations per layer in 16-bit counted as Korthikanti
+  et al. (2022) do, for what today's blocks keep (`layer_activation_bytes`: fused attention, GELU or SwiGLU, GQA,
+  LayerNorm or RMSNorm; GPT-3 175B at t = 8: ``4.0 sbh`` where the paper's ``sbh (34/t + 5as/(ht))`` gives
+  ``14.25 sbh``, `korthikanti_layer_bytes`), ``2sbh/t`` per layer held with full recomputation plus one layer's
+  activations while it is recomputed, for the micro-batches 1F1B keeps in flight on the stage (``min(pp, m)`` on the
+  first, 1 on the last); the last stage's logits (bf16 + their fp32 log-softmax, ``b s V / t``); with ZeRO-3, two
+  layers' gathered 16-bit parameters (the one in use, the one prefetched); a reserve for the CUDA context, NCCL's
+  buffers and fragmentation (``reserve_gib``, an assumption).
+- **step time**: compute = the FLOPs the GPUs execute (model FLOPs x the recomputation factor: 8/6 with full
+  recomputation, since the recomputed forward adds 2 FLOPs per parameter per token to the 6 of forward + backward)
+  / (GPUs x peak x ``kernel_efficiency``, assumed). That efficiency is a *hardware* FLOPs utilisation (HFU: executed
+  FLOPs over peak), not the model FLOPs utilisation (MFU: model FLOPs only, recomputation left out), which
+  `Estimate.mfu` reports for the whole step. Then the 1F1B bubble, ``(pp - 1) / m`` of the compute (Narayanan et
+  al. 2021's bubble time over ideal time, `pipeline.bubble_ratio`), which is ``(pp - 1) / (m + pp - 1)`` of compute
+  + bubble (``x / (1 + x)`` with ``x = (pp - 1) / m``: lesson 03's `pipeline.bubble_fraction`); TP's 4
+  all-reduce-sized collectives per layer per micro-batch of ``b s h`` bf16 (6 with full recomputation); PP's two
+  activation messages per micro-batch; DP: ZeRO-0 all-reduces the gradients (``grad_bytes`` each), ZeRO-1/2
+  reduce-scatter them and all-gather the bf16 parameters, ZeRO-3 all-gathers the parameters in forward and in
+  backward and reduce-scatters the gradients for every micro-batch; all on the alpha-beta model of lesson 01. No
+  overlap of communication with compute: the estimate is an upper bound, and ranks layouts by what they must move.
 
-Infeasible layouts come with the reason (memory, divisibility, a pipeline with ZeRO-2/3, which Megatron and
-DeepSpeed refuse). What it leaves out, so that a published layout may rank lower than the paper's: overlap of DP
-and PP communication with compute, interleaved schedules, kernel efficiency that changes with the matmul sizes
-(TP makes them smaller), and the memory allocator's behaviour.
+Infeasible layouts come with the reason (memory, divisibility). A pipeline with ZeRO-2/3 is **not modelled**
+(`Estimate.not_modelled`): DeepSpeed and Megatron-LM refuse it (gradients are accumulated over micro-batches),
+but torchtitan composes FSDP2 with its pipeline and Llama 3 ran FSDP inside its pipeline; the planner has no
+schedule for its per-micro-batch gathers. What it leaves out, so that a published layout may rank lower than the
+paper's: overlap of DP and PP communication with compute (and of TP's, which Megatron-Core's
+``--tp-comm-overlap`` and PyTorch's async TP now do), interleaved schedules, kernel efficiency that changes with the
+matmul sizes (TP makes them smaller), and the memory allocator's behaviour.
 """
 
 from __future__ import annotations
@@ -36,13 +50,15 @@ import math
 
 from course_lib.config import ModelConfig
 from course_lib.theory import comm, flops
-from course_lib.theory.memory import zero_model_state_bytes
+from course_lib.reference import reference_for
 
-__all__ = ["Cluster", "Layout", "Estimate", "estimate", "plan", "link", "layer_params", "stage_params",
-           "layer_activation_bytes", "activation_bytes_per_gpu", "CKPT"]
+__all__ = ["Cluster", "Layout", "Estimate", "estimate", "plan", "link", "layer_params", "position_params",
+           "stage_params", "model_state_bytes", "layer_activation_bytes", "korthikanti_layer_bytes",
+           "activation_bytes_per_gpu", "CKPT", "GiB", "NOT_MODELLED"]
 
 CKPT = ("none", "selective", "full")
-GB = 1e9
+GiB = 2 ** 30           # GPU memory: an "80 GB" A100 holds 80 GiB (nvidia-smi: 81,920 MiB), not 80 x 10^9 bytes
+NOT_MODELLED = "not modelled (DeepSpeed and Megatron refuse it; torchtitan does it)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +104,18 @@ class Estimate:
     why: str = ""
     tokens_per_s: float = 0.0
     mfu: float = 0.0                   # model FLOPs / (GPUs x peak x step time)
+    hfu: float = 0.0                   # executed FLOPs (recomputation included) / (GPUs x peak x step time)
+    memory_stage: str = "first"        # the stage whose memory is reported: "first", "last" or "only" (pp = 1)
+    not_modelled: str = ""             # a layout the planner has no schedule for (pipeline with ZeRO-2/3)
 
     @property
     def feasible(self) -> bool:
-        return not self.why
+        return not self.why and not self.not_modelled
+
+    @property
+    def status(self) -> str:
+        """"feasible", "infeasible" (``why`` says why) or "not modelled" (``not_modelled`` says why)."""
+        return "not modelled" if self.not_modelled else ("infeasible" if self.why else "feasible")
 
 
 # ----------------------------------------------------------------------------------------------- parameters
@@ -103,14 +127,49 @@ def layer_params(cfg: ModelConfig) -> int:
     return (cfg.num_params(include_embeddings=False) - head - norm_f) // cfg.n_layer
 
 
-def stage_params(cfg: ModelConfig, tp: int, pp: int) -> int:
-    """Parameters on one GPU of the largest stage before ZeRO: ceil(L/pp) blocks / tp, plus the embedding
-    (first stage) or the head (last stage), split along the vocabulary over tp. Replicated norms are counted as
-    split (a < 0.1 % difference at these sizes)."""
+def position_params(cfg: ModelConfig) -> int:
+    """A learned position table, ``seq_len x d_model`` (GPT-3: 2,048 x 12,288 = 25.2 M); 0 with RoPE (or ALiBi)."""
+    return cfg.seq_len * cfg.d_model if cfg.pos == "learned" else 0
+
+
+@reference_for("08-stage-memory")
+def stage_params(cfg: ModelConfig, tp: int, pp: int, stage: str = "first") -> int:
+    """Parameters on one GPU of a pipeline stage before ZeRO (lesson 08).
+
+    ``stage="first"`` (the largest): ceil(L/pp) blocks / tp, plus the token embedding split along the vocabulary over
+    tp, plus the learned position table (`position_params`), which Megatron-LM and DTensor keep whole on every TP
+    rank (replicated, not split); with one stage, also the head unless it is tied. ``stage="last"`` (pp > 1):
+    ceil(L/pp) blocks and the head (a copy of the embedding when tied, as Megatron-LM keeps it), split over tp.
+    Replicated norms are counted as split (a < 0.1 % difference at these sizes). The position table is 0.9-1.8 % of
+    GPT-3's first stage at pp 8-16."""
     blocks = math.ceil(cfg.n_layer / pp) * layer_params(cfg)
     vocab = cfg.vocab_size * cfg.d_model
+    if stage == "last":
+        return (blocks + vocab) // tp
+    if stage != "first":
+        raise ValueError(f"stage={stage!r}: 'first' or 'last'")
     ends = vocab if pp > 1 else (vocab if cfg.tie_embeddings else 2 * vocab)
-    return (blocks + ends) // tp
+    return (blocks + ends) // tp + position_params(cfg)
+
+
+@reference_for("08-stage-memory")
+def model_state_bytes(n_params: float, dp: int, zero: int, grad_bytes: int = 4) -> dict:
+    """Model-state bytes per GPU of ``n_params`` parameters in bf16 mixed precision with Adam, ZeRO stage ``zero``
+    over ``dp`` ranks: bf16 parameters (2), gradients of ``grad_bytes`` (4: fp32, as Megatron-LM's main gradients
+    and DeepSpeed's BF16_Optimizer (``grad_acc_dtype`` fp32 buffers) keep them, and as Llama 3 accumulates and
+    reduce-scatters them: "we use FP32 gradient accumulation ... and also reduce-scatter gradients in FP32", Llama 3
+    team 2024, section 3.3.2; 2: bf16), fp32 master weights, momentum and variance (12). ZeRO-1 shards the 12,
+    ZeRO-2 also the gradients, ZeRO-3 also the parameters (Rajbhandari et al. 2020, section 5). With
+    ``grad_bytes=2`` this is `memory.zero_model_state_bytes` (2 + 2 + 12 = 16 bytes per parameter, lesson 05); the
+    default gives 2 + 4 + 12 = 18 (ZeRO-0) and 6 + 12/dp (ZeRO-1, Megatron-LM's distributed optimizer)."""
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero}: ZeRO stages are 0, 1, 2 or 3")
+    P = n_params
+    out = dict(params=2 * P / dp if zero >= 3 else 2 * P,
+               grads=grad_bytes * P / dp if zero >= 2 else grad_bytes * P,
+               optimizer=12 * P / dp if zero >= 1 else 12 * P)
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- activations
@@ -138,8 +197,9 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, seq_len: int | None = None
     - no dropout in the presets (large-model pretraining runs without); with ``cfg.dropout > 0`` Korthikanti's two
       residual-dropout masks, ``2sbh/t`` (1 byte per element; not measured here).
 
-    GPT-3 175B at t = 8: ``32 sbh/t + 4asb/t`` = 4.00 sbh, against Korthikanti's 14.25 sbh (34 sbh/t without the
-    scores: their two dropout masks). Left out (< 0.1 %): a norm's mean and 1/std per token, RoPE's cos and sin
+    GPT-3 175B at t = 8: ``32 sbh/t + 4asb/t`` = 4.00 sbh, against Korthikanti's ``sbh (34/t + 5as/(ht))`` = 14.25
+    sbh with TP + SP (`korthikanti_layer_bytes`; 34/t = 4.25 sbh is their count without the scores, i.e. with
+    selective recomputation). Left out (< 0.1 %): a norm's mean and 1/std per token, RoPE's cos and sin
     (shared by all layers). Checked against PyTorch's memory tracker on a fake process group in
     `lessons.l08_three_d.simulate.fake_group_activations`.
     """
@@ -157,14 +217,34 @@ def layer_activation_bytes(cfg: ModelConfig, tp: int, seq_len: int | None = None
     )
 
 
-def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_len: int | None = None) -> int:
-    """Activations of the first pipeline stage (it holds the most micro-batches), bytes per GPU.
+def korthikanti_layer_bytes(cfg: ModelConfig, tp: int, seq_len: int | None = None, micro_batch: int = 1,
+                            sequence_parallel: bool = True, selective: bool = False) -> float:
+    """Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198,
+    table 2): bytes one transformer layer keeps for backward, in 16-bit with dropout and attention that stores its
+    ``a s x s`` scores: ``sbh (10 + 24/t + 5as/(ht))`` with TP, ``sbh (34/t + 5as/(ht))`` with TP + SP; selective
+    recomputation drops the ``5as/(ht)`` term of the scores. GPT-3 175B (a = 96, s = 2,048, h = 12,288) at t = 8:
+    23 sbh with TP, 14.25 sbh with TP + SP, 4.25 sbh with TP + SP + selective recomputation."""
+    s = cfg.seq_len if seq_len is None else seq_len
+    b, h, a, t = micro_batch, cfg.d_model, cfg.n_head, tp
+    scores = 0 if selective else 5 * a * s / (h * t)
+    per_sbh = (34 / t if sequence_parallel else 10 + 24 / t) + scores
+    return s * b * h * per_sbh
+
+
+def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_len: int | None = None,
+                             stage: str = "first") -> int:
+    """Activations of a pipeline stage, bytes per GPU: the first (``stage="first"``, it holds the most
+    micro-batches) or the last (``"last"``, one micro-batch in flight).
 
     Per layer `layer_activation_bytes` (Korthikanti et al. 2022's count redone for fused attention, SwiGLU, GQA and
-    RMSNorm). ``ckpt="selective"`` recomputes the attention core as Korthikanti et al. do: with a fused kernel that
-    frees only its log-sum-exp (the kernel already recomputes the scores in backward).
-    ``ckpt="full"`` keeps each layer's input, ``2sbh/t``, plus one layer's activations while it is recomputed. 1F1B's
-    first stage holds ``min(pp, m)`` micro-batches of ceil(L/pp) layers.
+    RMSNorm). ``ckpt="selective"`` recomputes the attention core as Korthikanti et al. do, which in their count frees
+    the ``a s x s`` scores, softmax output and dropout mask (``5as/(ht)`` sbh, 10 sbh of their 14.25 for GPT-3 at
+    t = 8). A fused attention kernel never keeps those (it recomputes the scores in its own backward), so here
+    selective recomputation frees only the kernel's fp32 log-sum-exp (``4asb/t`` bytes, 0.004 sbh for GPT-3 at t = 8,
+    0.1 % of the layer's 4.0 sbh) and pays for recomputing the attention core: kept in the table to show that it saves
+    almost nothing once attention is fused. ``ckpt="full"`` keeps each layer's input, ``2sbh/t``, plus one layer's
+    activations while it is recomputed. 1F1B's first stage holds ``min(pp, m)`` micro-batches of ceil(L/pp)
+    layers, its last stage one.
     """
     s = cfg.seq_len if seq_len is None else seq_len
     b, h, t = layout.micro_batch, cfg.d_model, layout.tp
@@ -177,7 +257,7 @@ def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_l
         per_mb = layers * (full_layer - parts["logsumexp"])
     else:                                                               # full: each layer's input, 2sbh/t
         per_mb = layers * 2 * s * b * h / t
-    in_flight = min(layout.pp, accum) if layout.pp > 1 else 1
+    in_flight = min(layout.pp, accum) if layout.pp > 1 and stage == "first" else 1
     extra = full_layer if layout.ckpt == "full" else 0                  # the layer being recomputed
     return int(per_mb * in_flight + extra)
 
@@ -185,18 +265,26 @@ def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_l
 # ------------------------------------------------------------------------------------------------- estimate
 
 def link(cluster: Cluster, gpu, stride: int, size: int) -> tuple[float, float]:
-    """(alpha in s, bandwidth in bytes/s) of a group of ``size`` ranks ``stride`` apart."""
-    if size == 1 or stride * size <= cluster.gpus_per_node or cluster.inter_gbs_per_gpu is None:
+    """(alpha in s, bandwidth in bytes/s) of a group of ``size`` ranks ``stride`` apart: NVLink (the GPU's link)
+    when every such group lies inside one node, i.e. when ``stride x size`` divides the GPUs per node (a group of 3
+    consecutive ranks on 8-GPU nodes has one group across two nodes), else the network between nodes."""
+    span = stride * size
+    if size == 1 or cluster.inter_gbs_per_gpu is None or cluster.gpus_per_node % span == 0:
         return cluster.alpha_us * 1e-6, gpu.link_gbs * 1e9
     return cluster.inter_alpha_us * 1e-6, min(gpu.link_gbs, cluster.inter_gbs_per_gpu) * 1e9
 
 
+@reference_for("08-stage-memory", "08-step-time")
 def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_batch: int,
-             seq_len: int | None = None, mfu: float = 0.4, reserve_gb: float = 2.0) -> Estimate:
-    """Memory per GPU and step time of one layout (see the module docstring). ``gpu``: a `measure.GPUSpec`."""
+             seq_len: int | None = None, kernel_efficiency: float = 0.4, reserve_gib: float = 2.0,
+             grad_bytes: int = 4) -> Estimate:
+    """Memory per GPU and step time of one layout (see the module docstring). ``gpu``: a `measure.GPUSpec` (its
+    ``mem_gb`` read as GiB); ``kernel_efficiency``: the assumed fraction of peak at which the GPUs execute their
+    FLOPs (recomputation included: a hardware FLOPs utilisation); ``grad_bytes``: 4 (fp32 gradients, the default
+    of Megatron-LM and Llama 3) or 2 (bf16)."""
     s = cfg.seq_len if seq_len is None else seq_len
     dp, tp, pp, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
-    why = []
+    why, not_modelled = [], ""
     if dp * tp * pp != cluster.n_gpus:
         why.append(f"dp x tp x pp = {dp * tp * pp}, not the cluster's {cluster.n_gpus} GPUs")
     if cfg.n_head % tp or cfg.d_ff % tp:
@@ -206,31 +294,37 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     if global_batch % (dp * b):
         why.append(f"global batch {global_batch} is not a multiple of dp x micro-batch = {dp * b}")
     if pp > 1 and layout.zero >= 2:
-        why.append(f"ZeRO-{layout.zero} with a pipeline: Megatron-LM and DeepSpeed refuse it (gradients are "
-                   f"accumulated over micro-batches)")
+        not_modelled = f"ZeRO-{layout.zero} with a pipeline: {NOT_MODELLED}"
     if layout.ckpt not in CKPT:
         raise ValueError(f"ckpt={layout.ckpt!r}: choose one of {', '.join(CKPT)}")
     accum = max(1, global_batch // (dp * b))
-    P_gpu = stage_params(cfg, tp, pp)
-    states = zero_model_state_bytes(P_gpu, dp, layout.zero)["total"]
-    acts = activation_bytes_per_gpu(cfg, layout, accum, s)
     logits = b * s * cfg.vocab_size / tp * (2 + 4)
     # ZeRO-3 / FSDP gathers each layer's 16-bit parameters before using it, and prefetches the next: two layers
     # whole (of the TP shard) beside the shards, in forward and again in backward (the unsharded gradient of the
     # layer in backward, before its reduce-scatter, is left out)
     gathered = 2 * 2 * layer_params(cfg) / tp if layout.zero == 3 else 0
-    memory = dict(model_states=states, activations=acts, logits=logits, zero3_buffers=gathered,
-                  reserve=reserve_gb * GB)
-    memory["total"] = sum(memory.values())
-    if memory["total"] > gpu.mem_gb * GB:
-        why.append(f"needs {memory['total'] / GB:.1f} GB per GPU > {gpu.mem_gb:g} GB")
+    stages = {}                                                         # each stage's memory; the largest counts
+    for stage in (("only",) if pp == 1 else ("first", "last")):
+        which = "last" if stage == "last" else "first"
+        states = model_state_bytes(stage_params(cfg, tp, pp, which), dp, layout.zero, grad_bytes)["total"]
+        acts = activation_bytes_per_gpu(cfg, layout, accum, s, which)
+        parts = dict(model_states=states, activations=acts, logits=0 if stage == "first" else logits,
+                     zero3_buffers=gathered, reserve=reserve_gib * GiB)
+        parts["total"] = sum(parts.values())
+        stages[stage] = parts
+    memory_stage = max(stages, key=lambda k: stages[k]["total"])
+    memory = stages[memory_stage]
+    if memory["total"] > gpu.mem_gb * GiB:
+        why.append(f"needs {memory['total'] / GiB:.1f} GiB per GPU ({memory_stage} stage) > {gpu.mem_gb:g} GiB")
 
     model_flops = flops.step_flops(cfg, global_batch, s)
     attn = 4 * s * s * cfg.d_model                                      # attention core, forward, per sequence
     layer_fwd = 24 * s * cfg.d_model ** 2 + attn
-    recompute = {"none": 1.0, "selective": 1 + attn / (3 * layer_fwd), "full": 4 / 3}[layout.ckpt]
-    compute = model_flops * recompute / (cluster.n_gpus * gpu.bf16_tflops * 1e12 * mfu)
-    bubble = compute * (pp - 1) / accum
+    # executed / model FLOPs: full recomputation runs the forward twice, 2 + 2 + 4 = 8 FLOPs per parameter per
+    # token instead of 2 + 4 = 6 (Narayanan et al. 2021, appendix: 96 B s l h^2 with recomputation, 72 without)
+    recompute = {"none": 1.0, "selective": 1 + attn / (3 * layer_fwd), "full": 8 / 6}[layout.ckpt]
+    compute = model_flops * recompute / (cluster.n_gpus * gpu.bf16_tflops * 1e12 * kernel_efficiency)
+    bubble = compute * (pp - 1) / accum                                 # = (pp-1)/(m+pp-1) of compute + bubble
     act_msg = b * s * cfg.d_model * 2                                   # bf16 (b, s, h)
     layers = math.ceil(cfg.n_layer / pp)
     alpha, bw = link(cluster, gpu, 1, tp)
@@ -239,17 +333,23 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     alpha, bw = link(cluster, gpu, tp * dp, pp)
     pp_time = accum * 2 * (alpha + act_msg / tp / bw) if pp > 1 else 0.0
     alpha, bw = link(cluster, gpu, tp, dp)
-    grads = 2 * P_gpu
-    if layout.zero == 3:
-        dp_time = accum * (2 * comm.collective_time("all_gather", grads, dp, alpha, bw)
+    P_gpu = stage_params(cfg, tp, pp)
+    grads, params16 = grad_bytes * P_gpu, 2 * P_gpu
+    if layout.zero == 3:                    # per micro-batch: gather for forward and backward, scatter the gradients
+        dp_time = accum * (2 * comm.collective_time("all_gather", params16, dp, alpha, bw)
                            + comm.collective_time("reduce_scatter", grads, dp, alpha, bw))
-    else:
+    elif layout.zero in (1, 2):             # reduce-scatter the gradients, all-gather the updated bf16 parameters
+        dp_time = (comm.collective_time("reduce_scatter", grads, dp, alpha, bw)
+                   + comm.collective_time("all_gather", params16, dp, alpha, bw))
+    else:                                   # plain data parallelism: all-reduce the gradients
         dp_time = comm.collective_time("all_reduce", grads, dp, alpha, bw)
     time = dict(compute=compute, bubble=bubble, tp=tp_time, pp=pp_time, dp=dp_time)
     time["total"] = sum(time.values())
-    est = Estimate(layout, accum, memory, time, "; ".join(why))
+    est = Estimate(layout, accum, memory, time, "; ".join(why), memory_stage=memory_stage, not_modelled=not_modelled)
     est.tokens_per_s = global_batch * s / time["total"]
-    est.mfu = model_flops / (cluster.n_gpus * gpu.bf16_tflops * 1e12 * time["total"])
+    peak = cluster.n_gpus * gpu.bf16_tflops * 1e12 * time["total"]
+    est.mfu = model_flops / peak
+    est.hfu = model_flops * recompute / peak
     return est
 
 
@@ -258,10 +358,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def plan(cfg: ModelConfig, gpu, cluster: Cluster, global_batch: int, seq_len: int | None = None,
-         mfu: float = 0.4, micro_batches=(1, 2, 4, 8), zeros=(0, 1, 2, 3), ckpts=CKPT,
-         reserve_gb: float = 2.0) -> list[Estimate]:
-    """Every layout (tp a divisor of a node's GPUs, pp any divisor of the rest, dp what remains), feasible ones
-    first by step time, then the infeasible ones with their reasons.
+         kernel_efficiency: float = 0.4, micro_batches=(1, 2, 4, 8), zeros=(0, 1, 2, 3), ckpts=CKPT,
+         reserve_gib: float = 2.0, grad_bytes: int = 4) -> list[Estimate]:
+    """Every layout (tp a divisor of a node's GPUs, pp any divisor of the rest, dp what remains): feasible ones
+    first by step time, then the infeasible ones with their reasons, then those not modelled (a pipeline with
+    ZeRO-2/3). A tp that does not divide a node's GPUs (tp = 64 on 8-GPU nodes) is not listed: `estimate` prices
+    such a layout when asked.
 
     pp is not only a power of two: BLOOM ran pp=12 on 384 GPUs (`lessons.l08_three_d.published`), and on
     3 x 2^k GPUs with a batch of 2^k sequences every power-of-two pp leaves a dp that does not divide the batch."""
@@ -274,5 +376,6 @@ def plan(cfg: ModelConfig, gpu, cluster: Cluster, global_batch: int, seq_len: in
                 for ckpt in ckpts:
                     for b in micro_batches:
                         rows.append(estimate(cfg, gpu, cluster, Layout(dp, tp, pp, zero, ckpt, b), global_batch,
-                                             seq_len, mfu, reserve_gb))
-    return sorted(rows, key=lambda e: (not e.feasible, e.time["total"], e.memory["total"]))
+                                             seq_len, kernel_efficiency, reserve_gib, grad_bytes))
+    order = {"feasible": 0, "infeasible": 1, "not modelled": 2}
+    return sorted(rows, key=lambda e: (order[e.status], e.time["total"], e.memory["total"]))

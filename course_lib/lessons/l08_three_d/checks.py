@@ -15,7 +15,8 @@ from course_lib.grading.check import check_close, check_equal, check_true
 from course_lib.launch import run
 from course_lib.measure import GPU_SPECS
 from course_lib.theory import planner
-from course_lib.theory.memory import zero_model_state_bytes
+from course_lib.theory.planner import GiB
+from course_lib.reference import reference_for
 
 __all__ = ["GRID_SHAPES", "check_grid", "check_stage_memory", "check_step_time", "check_choose_layout",
            "choose_reference", "CHOICE_CASES"]
@@ -70,42 +71,50 @@ def check_grid(grid_coords: Callable, group_members: Callable) -> dict:
     return {"ranks": len(res.returns), "grids": len(GRID_SHAPES), "sums": res.returns}
 
 
-MEMORY_CASES = (  # (preset, dp, tp, pp, zero)
-    ("gpt3-175b", 128, 8, 1, 1), ("gpt3-175b", 8, 8, 16, 1), ("gpt3-175b", 64, 4, 4, 0),
-    ("llama3-70b", 32, 8, 4, 1), ("llama3-70b", 128, 8, 1, 3), ("llama3-405b", 8, 8, 16, 2),
-    ("llama3-405b", 64, 8, 8, 3), ("llama-7b", 16, 2, 2, 2))
+MEMORY_CASES = (  # (preset, dp, tp, pp, zero, gradient bytes)
+    ("gpt3-175b", 128, 8, 1, 1, 4), ("gpt3-175b", 8, 8, 16, 1, 4), ("gpt3-175b", 64, 4, 4, 0, 2),
+    ("llama3-70b", 32, 8, 4, 1, 4), ("llama3-70b", 128, 8, 1, 3, 2), ("llama3-405b", 8, 8, 16, 2, 4),
+    ("llama3-405b", 64, 8, 8, 3, 4), ("llama-7b", 16, 2, 2, 2, 2), ("gpt2-1.5b", 8, 1, 1, 2, 4))
 FAKE_LAYOUTS = (("gpt3-175b", 1024, 8, 8), ("llama3-70b", 1024, 8, 4))     # (preset, world, tp, pp), ZeRO-3
 
 
 def check_stage_memory(params_per_gpu: Callable, state_bytes_per_gpu: Callable, fake_group: bool = True) -> list:
-    """``params_per_gpu(cfg, tp, pp)`` equals the planner's count for the largest stage; ``state_bytes_per_gpu(cfg,
-    dp, tp, pp, zero)`` the ZeRO formula over it; and for ZeRO-3 (FSDP2) both within 2 % of the local shards that
-    DTensor TP + FSDP2 really create for GPT-3 175B and Llama-3 70B on a fake process group of 1,024 ranks."""
+    """``params_per_gpu(cfg, tp, pp)`` equals the planner's count for the largest stage (learned position table
+    included, whole on every TP rank); ``state_bytes_per_gpu(cfg, dp, tp, pp, zero, grad_bytes)`` the ZeRO formula
+    over it with ``grad_bytes``-byte gradients (`planner.model_state_bytes`), and with the default fp32 gradients when
+    ``grad_bytes`` is not passed; and for ZeRO-3 (FSDP2) both within 2 % of the local shards that DTensor TP + FSDP2
+    really create for GPT-3 175B and Llama-3 70B on a fake process group of 1,024 ranks."""
     rows = []
-    for name, dp, tp, pp, zero in MEMORY_CASES:
+    for name, dp, tp, pp, zero, grad_bytes in MEMORY_CASES:
         cfg = get_preset(name)
         want = planner.stage_params(cfg, tp, pp)      # with pp > 1 it counts the head apart, tied or not
         got = params_per_gpu(cfg, tp, pp)
         check_close(f"params_per_gpu({cfg.name}, tp={tp}, pp={pp})", got, want, rtol=1e-6, atol=tp,
-                    hint="ceil(L / pp) blocks of planner.layer_params(cfg), plus the embedding (V x C) on the first "
-                         "stage (and the head when pp = 1 and it is not tied), all divided by tp")
-        want_b = zero_model_state_bytes(want, dp, zero)["total"]
-        got_b = state_bytes_per_gpu(cfg, dp, tp, pp, zero)
-        check_close(f"state_bytes_per_gpu({cfg.name}, dp={dp}, tp={tp}, pp={pp}, zero={zero})", got_b, want_b,
-                    rtol=1e-6, atol=16 * tp, hint="ZeRO shards the stage's 2 + 2 + 12 bytes per parameter over dp "
-                                                   "as lesson 05's table says")
-        rows.append(dict(model=cfg.name, dp=dp, tp=tp, pp=pp, zero=zero, params=got, bytes=got_b))
+                    hint="the exercise's list: blocks, embedding, position table, head; which of them TP splits")
+        want_b = planner.model_state_bytes(want, dp, zero, grad_bytes)["total"]
+        got_b = state_bytes_per_gpu(cfg, dp, tp, pp, zero, grad_bytes=grad_bytes)
+        check_close(f"state_bytes_per_gpu({cfg.name}, dp={dp}, tp={tp}, pp={pp}, zero={zero}, "
+                    f"grad_bytes={grad_bytes})", got_b, want_b, rtol=1e-6, atol=18 * tp,
+                    hint="bf16 parameters, grad_bytes-byte gradients, 12 bytes of fp32 optimizer state; which of "
+                         "them ZeRO stage `zero` shards over dp (lesson 05's table)")
+        if grad_bytes == 4:
+            check_close(f"state_bytes_per_gpu({cfg.name}, dp={dp}, tp={tp}, pp={pp}, zero={zero}) without "
+                        f"grad_bytes: fp32 gradients by default", state_bytes_per_gpu(cfg, dp, tp, pp, zero), want_b,
+                        rtol=1e-6, atol=18 * tp, hint="grad_bytes defaults to 4 (fp32 gradients)")
+        rows.append(dict(model=cfg.name, dp=dp, tp=tp, pp=pp, zero=zero, grad_bytes=grad_bytes, params=got,
+                         bytes=got_b))
     if fake_group:
         from course_lib.lessons.l08_three_d.simulate import fake_group_shards
 
         for r in fake_group_shards(FAKE_LAYOUTS):
             cfg = get_preset(r["model"])
-            got_b = state_bytes_per_gpu(cfg, r["dp"], r["tp"], r["pp"], 3)
+            got_b = state_bytes_per_gpu(cfg, r["dp"], r["tp"], r["pp"], 3, grad_bytes=4)
+            shard_bytes = r["local_state_bytes"]            # (2 + 4 + 12) x the parameters FSDP2 left here
             check_close(f"ZeRO-3 state bytes per GPU of {r['model']} on {r['world']} fake ranks (tp={r['tp']}, "
-                        f"pp={r['pp']}) against FSDP2's real shards", got_b, r["local_state_bytes"], rtol=0.02,
-                        hint="the shards FSDP2 and DTensor create: 16 bytes per local parameter")
-            rows.append(dict(model=r["model"], dp=r["dp"], tp=r["tp"], pp=r["pp"], zero=3, params=None,
-                             bytes=got_b, shard_bytes=r["local_state_bytes"]))
+                        f"pp={r['pp']}, fp32 gradients) against FSDP2's real shards", got_b, shard_bytes, rtol=0.02,
+                        hint="the shards FSDP2 and DTensor create: 2 + 4 + 12 bytes per local parameter")
+            rows.append(dict(model=r["model"], dp=r["dp"], tp=r["tp"], pp=r["pp"], zero=3, grad_bytes=4,
+                             params=None, bytes=got_b, shard_bytes=shard_bytes))
     return rows
 
 
@@ -117,26 +126,28 @@ TIME_CASES = (  # (preset, GPU, nodes, GPUs per node, inter-node GB/s per GPU, g
     ("gpt2-1.5b", "A100 40GB", 2, 8, 25.0, 512, 16, 1, 1, 0, 8),
     ("llama3-405b", "H100", 16, 8, None, 64, 1, 8, 16, 1, 1))
 TIME_HINTS = {
-    "compute": "model FLOPs of the step (theory.flops.step_flops) / (all GPUs x peak bf16 FLOP/s x mfu)",
+    "compute": "model FLOPs of the step (theory.flops.step_flops) / (all GPUs x peak bf16 FLOP/s x kernel_efficiency)",
     "bubble": "1F1B idles (pp - 1) / m of the compute; m = micro-batches per DP rank",
     "tp": "ceil(L / pp) layers x m micro-batches x 4 all-reduces of a (b, s, h) bf16 activation over tp, on "
           "planner.link(cluster, gpu, 1, tp)",
     "pp": "m micro-batches x 2 messages (forward, backward) of b s h x 2 / tp bytes, each alpha + bytes / bandwidth, "
           "on planner.link(cluster, gpu, tp * dp, pp); 0 without a pipeline",
-    "dp": "one all-reduce of the stage's bf16 gradients (2 bytes x planner.stage_params) over dp, on "
+    "dp": "ZeRO-0: one all-reduce of the stage's fp32 gradients (4 bytes x planner.stage_params); ZeRO-1/2: a "
+          "reduce-scatter of them and an all-gather of the bf16 parameters (2 bytes each); over dp, on "
           "planner.link(cluster, gpu, tp, dp)",
 }
 
 
 def check_step_time(step_time: Callable) -> list:
-    """``step_time(cfg, gpu, cluster, layout, global_batch, mfu)`` returns the planner's compute, bubble, tp, pp and
-    dp seconds (no recomputation, ZeRO 0-2) for layouts from one node to 1,024 GPUs, each part on its own."""
+    """``step_time(cfg, gpu, cluster, layout, global_batch, kernel_efficiency)`` returns the planner's compute,
+    bubble, tp, pp and dp seconds (no recomputation, ZeRO 0-2, fp32 gradients) for layouts from one node to 1,024
+    GPUs, each part on its own."""
     out = []
     for name, gpu, nodes, per_node, inter, batch, dp, tp, pp, zero, mb in TIME_CASES:
         cfg, spec = get_preset(name), GPU_SPECS[gpu]
         cluster = planner.Cluster(f"{nodes} x {per_node} {gpu}", nodes, per_node, inter)
         layout = planner.Layout(dp, tp, pp, zero, "none", mb)
-        want = planner.estimate(cfg, spec, cluster, layout, batch, mfu=0.4).time
+        want = planner.estimate(cfg, spec, cluster, layout, batch, kernel_efficiency=0.4).time
         got = step_time(cfg, spec, cluster, layout, batch, 0.4)
         check_true(f"step_time returns a dict with {', '.join(TIME_HINTS)}",
                    isinstance(got, dict) and all(k in got for k in TIME_HINTS), hint="one entry per part, seconds")
@@ -147,10 +158,11 @@ def check_step_time(step_time: Callable) -> list:
     return out
 
 
-def choose_reference(rows, budget_gb: float, slack: float = 0.05):
-    """The exercise's rule: feasible layouts that need at most ``budget_gb`` per GPU; of those within ``slack`` of
-    the fastest step time, the fewest pipeline stages, then the smallest tp, then the least memory."""
-    fits = [r for r in rows if r.feasible and r.memory["total"] <= budget_gb * 1e9]
+@reference_for("08-choose-layout")
+def choose_reference(rows, budget_gib: float, slack: float = 0.05):
+    """The exercise's rule: feasible layouts that need at most ``budget_gib`` GiB per GPU; of those within ``slack``
+    of the fastest step time, the fewest pipeline stages, then the smallest tp, then the least memory."""
+    fits = [r for r in rows if r.feasible and r.memory["total"] <= budget_gib * GiB]
     if not fits:
         return None
     fastest = min(r.time["total"] for r in fits)
@@ -158,14 +170,14 @@ def choose_reference(rows, budget_gb: float, slack: float = 0.05):
     return min(near, key=lambda r: (r.layout.pp, r.layout.tp, r.memory["total"]))
 
 
-CHOICE_CASES = (  # (preset, GPU, nodes, GPUs per node, inter-node GB/s per GPU, global batch, budget GB, slack)
-    ("gpt3-175b", "A100", 128, 8, 25.0, 1536, 80, 0.05), ("gpt3-175b", "A100", 128, 8, 25.0, 1536, 40, 0.05),
-    ("llama3-70b", "H100", 64, 8, 50.0, 512, 60, 0.10), ("llama3-70b", "H100", 1, 8, None, 64, 80, 0.0),
+CHOICE_CASES = (  # (preset, GPU, nodes, GPUs per node, inter-node GB/s per GPU, global batch, budget GiB, slack)
+    ("gpt3-175b", "A100", 128, 8, 25.0, 1536, 80, 0.05), ("gpt3-175b", "A100", 128, 8, 25.0, 1536, 46, 0.05),
+    ("llama3-70b", "H100", 64, 8, 50.0, 512, 50, 0.10), ("llama3-70b", "H100", 1, 8, None, 64, 80, 0.0),
     ("gpt2-1.5b", "A100 40GB", 2, 8, 25.0, 512, 20, 0.05), ("llama3-405b", "H100", 4, 8, 50.0, 64, 80, 0.05))
 
 
 def check_choose_layout(choose_layout: Callable) -> list:
-    """``choose_layout(rows, budget_gb, slack)`` picks what the rule picks from `planner.plan`'s rows, for clusters
+    """``choose_layout(rows, budget_gib, slack)`` picks what the rule picks from `planner.plan`'s rows, for clusters
     from one node to a thousand GPUs, including a budget nothing fits (then None)."""
     out = []
     for name, gpu, nodes, per_node, inter, batch, budget, slack in CHOICE_CASES:
@@ -173,20 +185,21 @@ def check_choose_layout(choose_layout: Callable) -> list:
         rows = planner.plan(get_preset(name), GPU_SPECS[gpu], cluster, batch)
         want = choose_reference(rows, budget, slack)
         got = choose_layout(rows, budget, slack)
-        what = f"choose_layout for {name} on {cluster.name}, budget {budget} GB, slack {slack:.0%}"
+        what = f"choose_layout for {name} on {cluster.name}, budget {budget} GiB, slack {slack:.0%}"
         if want is None:
             check_true(f"{what}: nothing fits, so None (got {got!r:.80})", got is None,
                        hint="no feasible layout needs at most the budget")
         else:
             check_true(f"{what}: returns one of the planner's rows (an Estimate)", isinstance(got, planner.Estimate),
                        hint="return the chosen Estimate itself")
-            check_true(f"{what}: the chosen layout fits ({got.memory['total'] / 1e9:.1f} GB, feasible: "
-                       f"{got.feasible})", got.feasible and got.memory["total"] <= budget * 1e9,
-                       hint="keep only feasible rows whose memory['total'] is at most the budget")
+            check_true(f"{what}: the chosen layout fits ({got.memory['total'] / GiB:.1f} GiB, feasible: "
+                       f"{got.feasible})", got.feasible and got.memory["total"] <= budget * GiB,
+                       hint="keep only feasible rows whose memory['total'] is at most the budget in GiB (2**30 "
+                            "bytes)")
             check_equal(f"{what}: the layout", got.layout.label(), want.layout.label(),
                         hint="within the slack of the fastest that fits, fewest pp, then smallest tp, then least "
                              "memory")
         out.append(dict(case=what, layout=None if want is None else want.layout.label(),
                         step_s=None if want is None else want.time["total"],
-                        gb=None if want is None else want.memory["total"] / 1e9))
+                        gib=None if want is None else want.memory["total"] / GiB))
     return out

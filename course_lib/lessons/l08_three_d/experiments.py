@@ -9,6 +9,11 @@
   (`pipeline.P2P.bytes_sent`);
 - dp: every gradient of the stage's shards all-reduced once per step (`ddp.average_gradients`), or with ZeRO-1
   reduce-scattered and the parameters all-gathered: the same payload twice over.
+
+Payload is the size of the tensor a call reduces or gathers (what `measure.CollectiveCounter` counts); what a rank
+puts on the wire is payload x the collective's bus factor on a ring (`theory.comm.bus_factor`: 2(n-1)/n for an
+all-reduce, (n-1)/n for an all-gather or a reduce-scatter), so that ZeRO-1's reduce-scatter + all-gather, twice an
+all-reduce's payload, send what one all-reduce sends (lesson 05). `wire_bytes` counts that per dimension.
 """
 
 from __future__ import annotations
@@ -23,7 +28,20 @@ from course_lib.measure import CollectiveCounter
 from course_lib.model import build_model
 from course_lib.parallel.pipeline_schedules import split_stages
 from course_lib.parallel.three_d import make_optimizer_3d, parallelize_3d, shard_reference, train_step_3d
+from course_lib.theory.comm import bus_factor
 from course_lib.theory.tensor import layer_collectives
+
+
+def wire_bytes(counter: CollectiveCounter, groups: dict) -> dict:
+    """Bytes this rank sent on a ring for the collectives of each named group (``{name: global ranks}``): each
+    call's payload x `bus_factor` of its collective and group size."""
+    out = dict.fromkeys(groups, 0)
+    by_ranks = {tuple(ranks): name for name, ranks in groups.items()}
+    for (_, op, nbytes, n), ranks in zip(counter.records, counter.groups):
+        name = by_ranks.get(ranks)
+        if name is not None:
+            out[name] += round(nbytes * bus_factor(op, n))
+    return out
 
 
 def formula_bytes(cfg, grid_sizes: dict, coords: dict, micro_batch: int, m: int, steps: int, stage_numel: int,
@@ -32,7 +50,7 @@ def formula_bytes(cfg, grid_sizes: dict, coords: dict, micro_batch: int, m: int,
 
     With sequence parallelism, TP adds: the first stage's all-gather of the gradient where the sequence is split
     (backward), the last stage's all-gather before the head (forward), one (b, T, C) each per micro-batch; and once
-    per step the all-reduce of the gradients of the parameters that saw T/t tokens (per block 2 LayerNorms and the
+    per step the all-reduce of the gradients of the parameters that saw s/t tokens (per block 2 LayerNorms and the
     2 row-parallel biases); PP's messages are t times smaller."""
     dp, tp, pp = grid_sizes["dp"], grid_sizes["tp"], grid_sizes["pp"]
     sp = sequence_parallel and tp > 1
@@ -52,8 +70,12 @@ def formula_bytes(cfg, grid_sizes: dict, coords: dict, micro_batch: int, m: int,
 
 def rank_3d_comm(cfg, dp: int, pp: int, tp: int, global_batch: int, m: int, steps: int = 3,
                  data_parallel: str = "ddp", lr: float = 0.1, sequence_parallel: bool = False) -> dict:
-    """Runs on every rank of a dp x pp x tp launch: 3D training, its error against one process, and the bytes
-    each dimension moved on this rank (counted) beside `formula_bytes`."""
+    """Runs on every rank of a dp x pp x tp launch: 3D training, its error against one process, and the payload
+    bytes of each dimension's calls on this rank (counted) beside `formula_bytes`, and the bytes it sent on the wire
+    (`wire_bytes`). The optimizer is SGD without momentum, which keeps no state: with ``data_parallel="zero1"``
+    ZeRO-1 has no optimizer state to shard here, and what the run checks is its communication (reduce-scatter of
+    the gradients, all-gather of the updated parameters) and its result; lesson 05 measured ZeRO's memory with
+    Adam."""
     grid = cdist.ProcessGrid(dp=dp, pp=pp, tp=tp)
     batches = random_batches(cfg, global_batch, steps=steps, seed=1)
     ref = train_reference(cfg, batches, "sgd", lr=lr, seed=0)
@@ -70,10 +92,12 @@ def rank_3d_comm(cfg, dp: int, pp: int, tp: int, global_batch: int, m: int, step
     by_group = counter.bytes_by_group()
     counted = {name: by_group.get(tuple(grid.ranks(name)), 0) for name in ("tp", "dp")}
     counted["pp"] = pp_bytes
+    wire = wire_bytes(counter, {name: grid.ranks(name) for name in ("tp", "dp")})
+    wire["pp"] = pp_bytes                                       # point to point: the payload is what is sent
     pairs = shard_reference(model, stage, grid, ref["params"])
     stage_numel = sum(p.numel() for p in stage.parameters())
     coords = grid.coords_of(cdist.rank())
-    return {"coords": coords, "losses": losses, "ref_losses": ref["losses"], "counted": counted,
+    return {"coords": coords, "losses": losses, "ref_losses": ref["losses"], "counted": counted, "wire": wire,
             "formula": formula_bytes(cfg, grid.sizes, coords, global_batch // dp // m, m, steps, stage_numel,
                                      data_parallel, sequence_parallel),
             "param_err": max_relative_error({n: a for n, (a, _) in pairs.items()},

@@ -1,10 +1,11 @@
 """The planner against published training runs, and the seed's two tables re-derived from it (lesson 08).
 
 - :data:`PUBLISHED`: layouts of real runs as data (Megatron-LM's GPT-3 175B, BLOOM-176B, Llama 3 405B at 8K and 16K
-  GPUs), each with its cluster, batch, reported throughput and source. :func:`check_published` plans the paper's
-  cluster and batch with `theory.planner.plan` and returns whether the published layout fits, its rank, the top 5
-  and the planner's MFU beside the reported one; ``why_not`` says what the planner leaves out for that run.
-- :func:`method_by_size`: which strategy families fit 1B-1T GPT models on 80 GB GPUs (seed: data parallel < 10B,
+  GPUs), each with its cluster, batch, reported throughput, gradient dtype and source (table or section, quoted in
+  ``note``). :func:`check_published` plans the paper's cluster and batch with `theory.planner.plan` and returns
+  whether the published layout fits, its rank, the top 5 and the planner's MFU beside the reported one;
+  ``Check.why_not`` says what the planner leaves out for that run, with the planner's numbers filled in.
+- :func:`method_by_size`: which strategy families fit 1B-1T GPT models on 80 GiB GPUs (seed: data parallel < 10B,
   ZeRO 10-100B, tensor and pipeline parallel > 100B, 3D > 1T).
 - :func:`efficiency_estimates`: each seed method's scaling efficiency on a stated cluster, by the planner's
   formulas, beside the seed's range (seed: DP 85-95 %, tensor 75-85 %, PP 80-90 %, ZeRO-2 80-90 %, ZeRO-3 70-80 %,
@@ -20,12 +21,14 @@ bound, and a published layout that relies on what it leaves out ranks lower than
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 from course_lib.config import ModelConfig, get_preset
 from course_lib.measure import GPU_SPECS
 from course_lib.theory import flops
-from course_lib.theory.planner import Cluster, Estimate, Layout, estimate, plan
+from course_lib.theory.planner import (Cluster, Estimate, GiB, Layout, estimate, korthikanti_layer_bytes,
+                                       plan)
 
 __all__ = ["Source", "PublishedRun", "PUBLISHED", "Check", "check_published", "check_all", "published_table",
            "LEFT_OUT", "SIZES", "family", "method_by_size", "method_table", "SEED_EFFICIENCY",
@@ -47,10 +50,12 @@ class Source:
 
 @dataclasses.dataclass(frozen=True)
 class PublishedRun:
-    """One published run. ``zero``, ``ckpt``, ``micro_batch``: None where the source does not state them (the
-    check then takes the planner's best feasible choice for the published dp x tp x pp). ``reported_tflops``: per
-    GPU, as the source counts them; ``counts_recompute``: True when that count includes the recomputed forward
-    (Megatron's "hardware FLOPs"), so that model FLOPs are 3/4 of it."""
+    """One published run. ``zero``, ``ckpt``, ``micro_batch``: None where the source does not state them in the
+    planner's terms (the check then takes the planner's best feasible choice for the published dp x tp x pp).
+    ``reported_tflops``: per GPU, as the source counts them; ``counts_recompute``: True when that count includes the
+    recomputed forward (a hardware FLOPs count, 8 FLOPs per parameter per token where the model does 6), so that
+    model FLOPs are 6/8 = 3/4 of it. ``grad_bytes``: the gradient dtype the check gives the planner, with its
+    source in ``note``."""
 
     name: str
     preset: str
@@ -71,9 +76,17 @@ class PublishedRun:
     reported_tflops: float
     counts_recompute: bool
     stated_mfu: float                   # fraction of peak as the source states it
+    grad_bytes: int                     # 4: fp32 gradients, 2: bf16 (what the check passes to the planner)
     source: Source
     note: str                           # what was checked where, what was not
-    why_not: str                        # what the planner leaves out that this run relies on
+    why_not: str                        # what the planner leaves out that this run relies on ({...}: computed)
+    alibi: bool = False                 # ALiBi positions: no position table (the preset counts a learned one)
+
+    @property
+    def config(self) -> ModelConfig:
+        """The preset; with ALiBi, no position parameters (like RoPE: `planner.position_params` counts none)."""
+        cfg = get_preset(self.preset)
+        return cfg.replace(pos="rope") if self.alibi else cfg
 
     @property
     def cluster(self) -> Cluster:
@@ -89,74 +102,94 @@ class PublishedRun:
 NARAYANAN = Source("Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
                    "D. Narayanan, M. Shoeybi, J. Casper, P. LeGresley, M. Patwary, V. Korthikanti, D. Vainbrand, "
                    "P. Kashinkunti, J. Bernauer, B. Catanzaro, A. Phanishayee, M. Zaharia", 2021, "2104.04473",
-                   "table 1 (175B row), section 5")
+                   "table 2 (PTD-P, 174.6B, 1,536 GPUs), section 5.1 and the appendix's FLOP count")
 BLOOM = Source("BLOOM: A 176B-Parameter Open-Access Multilingual Language Model", "BigScience Workshop (T. Le Scao, "
                "A. Fan, C. Akiki, et al.)", 2022, "2211.05100", "section 3.4 (engineering)")
 LLAMA3 = Source("The Llama 3 Herd of Models", "Llama Team, AI @ Meta (A. Grattafiori, A. Dubey, et al.)", 2024,
-                "2407.21783", "table 4 and section 3.3.2")
+                "2407.21783", "table 4, sections 3.3.1 and 3.3.2")
 
+# Every {name} in a why_not is computed by the planner when the run is checked (`Check.why_not`, `facts`).
 _LLAMA3_WHY = (
-    "The planner has no interleaved 1F1B: with {m} micro-batches per DP rank and pp=16 its bubble (pp-1)/m is "
-    "{bubble:.0%} of the compute, where Llama 3's interleaved schedule (several stages per GPU) divides it by the "
-    "stages per GPU. It has no FSDP with a pipeline (it refuses ZeRO-2/3 with pp > 1, as Megatron and DeepSpeed "
-    "do; ZeRO-1 stands in), and no overlap of the DP reduce-scatter with compute. Its activation count (Megatron's "
-    "TP + SP for Llama's blocks: SwiGLU, GQA, fused attention, fp32 RMSNorm; checked against PyTorch's memory "
-    "tracker) keeps about 99 GB per GPU for 16 micro-batches in flight without recomputation: only full "
-    "recomputation fits this shape (Meta's paper does not say how it fitted). Its compute runs at the assumed 40 % "
-    "kernel efficiency, below the 41-43 % that Meta measured end to end. It ranks FSDP (ZeRO-3) without a pipeline "
-    "first, whose parameter all-gathers it does not overlap either.")
+    "Llama 3 trained 8K sequences without activation checkpointing (section 3.3.2: \"we could pre-train Llama 3 on "
+    "sequences of 8K tokens without activation checkpointing\") after freeing each stage's input and output tensors "
+    "and taking one layer off the first and the last stage. The planner has none of that: under plain 1F1B the "
+    "first stage holds {in_flight} micro-batches of {layers} layers, and without recomputation its count (TP + SP "
+    "for Llama's blocks, checked against PyTorch's memory tracker) needs {none_gib:.0f} GiB per GPU > {capacity:g} "
+    "GiB, so its best row of this shape is {shape_best} ({shape_best_gib:.0f} GiB). It has no interleaved 1F1B: "
+    "with {m} micro-batches per DP rank its bubble (pp-1)/m is {bubble:.0%} of the compute, where Llama 3's "
+    "interleaved schedule divides it by the stages per GPU (its bubble (PP-1)/(V M)). FSDP with a pipeline is "
+    "not modelled (DeepSpeed and Megatron refuse it; torchtitan does it): ZeRO-1 stands in, and no DP "
+    "reduce-scatter overlaps compute. Its compute runs at the assumed {kernel_efficiency:.0%} kernel efficiency.")
 
 PUBLISHED: tuple[PublishedRun, ...] = (
     PublishedRun(
         "Megatron-LM GPT-3 175B", "gpt3-175b", "A100", 192, 8, 25.0, "8 x 200 Gb/s HDR InfiniBand per node",
-        global_batch=1536, seq_len=2048, dp=12, tp=8, pp=16, zero=0, ckpt="full", micro_batch=1,
-        schedule="interleaved 1F1B", reported_tflops=138.0, counts_recompute=True, stated_mfu=0.44,
-        source=NARAYANAN,
-        note="t=8, p=16, 1,536 GPUs, batch 1,536, 138 TFLOP/s (44 %) and the DGX A100 cluster: from the paper, not "
-             "re-checked here; tp, pp, micro-batch 1 and global batch 1,536 agree with Megatron-LM's "
-             "examples/gpt3/train_gpt3_175b_distributed.sh. The paper's FLOP count includes the recomputed forward "
-             "(96 B s l h^2 ...). ZeRO-0: its data parallelism all-reduces gradients (our reading; Megatron-LM's "
-             "distributed optimizer came later). Vocabulary 51,200 in the paper, 50,257 in the preset.",
-        why_not="The planner ranks this dp x tp x pp first, but the paper's full recomputation far lower: the planner "
-                "has sequence parallelism and selective recomputation (Korthikanti et al. 2022), which Megatron-LM "
-                "did not have in 2021. Without sequence parallelism a layer keeps sbh(10 + 24/t + 5as/(ht)) = 23 sbh "
-                "= 0.58 GB per micro-batch: x 6 layers x 16 micro-batches in flight = 56 GB, plus 23 GB of ZeRO-0 "
-                "model states and the reserve, about 81 GB > 80 GB, so full recomputation was needed then. The "
-                "interleaved schedule is not modelled either (its bubble is (p-1)/(v m), the planner's (p-1)/m)."),
+        global_batch=1536, seq_len=2048, dp=16, tp=8, pp=12, zero=0, ckpt="full", micro_batch=1,
+        schedule="1F1B (table 2 does not say whether interleaved)", reported_tflops=141.0, counts_recompute=True,
+        stated_mfu=141 / 312, grad_bytes=4, source=NARAYANAN,
+        note="Table 2, PTD-P row of the 174.6B model on 1,536 GPUs: model-parallel size 96, batch 1,536, micro-batch "
+             "1, 141 TFLOP/s per GPU (23 days for 300B tokens); 96 = tensor 8 x pipeline 12 as "
+             "third-party reproductions (cli99/llm-analysis, examples/megatron-lm/run_train.sh: --tp_size 8 "
+             "--pp_size 12 --total_num_gpus 1536 --achieved_tflops 141) read it. Read here from a transcription of "
+             "the table, not from the paper's PDF; so were section 5.1's '1,024 A100s at 140 TFLOP/s: 34 days' and "
+             "the appendix's FLOP count, 96 B s l h^2 (...) with activation recomputation (72 without), so that the "
+             "141 TFLOP/s count the recomputed forward. Table 1 has no 175B row (its 145.6B row: t 8, p 8, 1,536 "
+             "GPUs, 148 TFLOP/s). 192 nodes of 8 A100 80GB with 8 x 200 Gb/s HDR InfiniBand each (section 5). "
+             "ZeRO-0: data parallelism all-reduces gradients (our reading; Megatron-LM's distributed optimizer came "
+             "later). Gradients: fp32 assumed (Megatron-LM's main gradients; the paper does not say). Vocabulary "
+             "51,200 in the paper, 50,257 in the preset. Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh "
+             "(tp 8, pp 16, micro-batch 1, batch 1,536) publishes no throughput and is not this run.",
+        why_not="The paper's row recomputes every layer; the planner's best row of this dp x tp x pp is {shape_best} "
+                "({shape_best_gib:.0f} GiB per GPU), because it counts sequence parallelism (Korthikanti et al. "
+                "2022), which Megatron-LM did not have in 2021. Without it a layer keeps sbh (10 + 24/t + 5as/(ht)) "
+                "= {no_sp_sbh:.0f} sbh = {no_sp_layer_gib:.2f} GiB per micro-batch (Korthikanti et al., table 2): "
+                "x {layers} layers x {in_flight} micro-batches in flight = {no_sp_acts_gib:.0f} GiB, plus "
+                "{states_gib:.0f} GiB of ZeRO-0 model states and the reserve: {no_sp_total_gib:.0f} GiB > "
+                "{capacity:g} GiB, so full recomputation was needed then. An interleaved schedule is not modelled "
+                "(its bubble is (p-1)/(v m), the planner's (p-1)/m)."),
     PublishedRun(
         "BLOOM-176B", "bloom-176b", "A100", 48, 8, 6.25, "4 x 100 Gb/s Omni-Path per node",
         global_batch=2048, seq_len=2048, dp=8, tp=4, pp=12, zero=1, ckpt="full", micro_batch=2,
-        schedule="1F1B (DeepSpeed pipeline engine)", reported_tflops=150.0, counts_recompute=True, stated_mfu=0.48,
-        source=BLOOM,
+        schedule="1F1B (DeepSpeed pipeline engine)", reported_tflops=150.0, counts_recompute=True,
+        stated_mfu=150 / 312, grad_bytes=4, source=BLOOM, alibi=True,
         note="Re-checked against bigscience-workshop/bigscience train/tr11-176B-ml (README.md and "
              "tr11-176B-ml.slurm): TP 4, PP 12, DP 8, micro-batch 2, global batch 2,048, seq 2,048, "
-             "--checkpoint-activations, bf16 with DeepSpeed's BF16_Optimizer (its own ZeRO stage 1), 48 nodes of "
-             "8 A100 80GB, 4 Omni-Path links per node; the README counts TFLOP/s with the recomputed forward "
-             "(4 x 2 coefficient). 'About 150 TFLOP/s' is BigScience's model page; the paper's own figure (section "
-             "3.4) and the 100 Gb/s per Omni-Path link are not re-checked here.",
-        why_not="The dp x tp x pp ranks in the planner's top 5 but the exact row (full recomputation) far lower: with "
-                "sequence parallelism (Korthikanti et al. 2022), which BLOOM's Megatron-DeepSpeed fork did not have, "
-                "the planner fits BLOOM's layout without recomputation (63 GB per GPU) and ranks that row first. "
-                "Its predicted MFU stays below the reported because compute runs at the assumed 40 % kernel "
-                "efficiency while BLOOM's h = 14,336 matmuls ran at about "
-                "48 % of peak (hardware FLOPs), and no DP or PP communication overlaps compute."),
+             "--checkpoint-activations, bf16 with DeepSpeed's BF16_Optimizer (its own ZeRO stage 1; it accumulates "
+             "gradients in fp32 buffers, grad_bytes 4), 48 nodes of 8 A100 80GB, 4 Omni-Path links per node; the "
+             "README counts TFLOP/s with the recomputed forward (4 x 2 coefficient). 'Training throughput: about "
+             "150 TFLOPs' is BigScience's model page (bigscience.notion.site, BigScience 176B Model); GENCI's news "
+             "release gives 156 TFLOP/s sustained (50 % of peak). The paper's own figure (section 3.4) and the 100 "
+             "Gb/s per Omni-Path link are not re-checked here. ALiBi positions: no position table.",
+        why_not="The dp x tp x pp ranks {shape_rank} among the planner's shapes, the exact row (full recomputation) "
+                "{rank} among its rows: the planner's best row of this shape is {shape_best} ({shape_best_gib:.0f} "
+                "GiB per GPU), because it counts sequence parallelism (Korthikanti et al. 2022), which BLOOM's "
+                "Megatron-DeepSpeed fork did not have (without it, this layout keeps {no_sp_total_gib:.0f} GiB per "
+                "GPU with no recomputation). Its predicted MFU stays below the reported because compute runs at the "
+                "assumed {kernel_efficiency:.0%} kernel efficiency while BLOOM's 150 TFLOP/s, which count the "
+                "recomputed forward, are {stated_mfu:.0%} of peak, and no DP or PP communication overlaps compute."),
     PublishedRun(
         "Llama 3 405B, 16K GPUs", "llama3-405b", "H100", 2048, 8, 50.0, "400 Gb/s RoCE per GPU",
         global_batch=2048, seq_len=8192, dp=128, tp=8, pp=16, zero=None, ckpt=None, micro_batch=None,
         schedule="interleaved 1F1B (flexible number of micro-batches)", reported_tflops=400.0,
-        counts_recompute=False, stated_mfu=0.41, source=LLAMA3,
-        note="Table 4 (TP 8, CP 1, PP 16, DP 128, seq 8,192, 16M tokens per batch = 2,048 sequences, 400 TFLOP/s, "
-             "41 % BF16 MFU) and the cluster (H100 80GB, 8 per server, 400 Gb/s per GPU): from the paper, not "
-             "re-checked here beyond secondary summaries. Data parallelism is FSDP that keeps parameters after the "
-             "forward (no reshard); recomputation and micro-batch size are not stated.",
-        why_not=_LLAMA3_WHY.format(m=16, bubble=15 / 16)),
+        counts_recompute=False, stated_mfu=0.41, grad_bytes=4, source=LLAMA3,
+        note="Table 4, row 2: 16,384 GPUs, TP 8, CP 1, PP 16, DP 128, sequence 8,192, batch size/DP 16, 16M tokens "
+             "per batch (2,048 sequences), 400 TFLOP/s per GPU, 41 % BF16 MFU. Section 3.3.1: H100 80GB HBM3, "
+             "eight per server on NVLink, RoCE with 400 Gbps between GPUs. Section 3.3.2: FSDP that shards "
+             "optimizer states and gradients but keeps the parameters after the forward; 'FP32 gradient "
+             "accumulation ... and also reduce-scatter gradients in FP32' (grad_bytes 4); no activation "
+             "checkpointing at 8K tokens; an interleaved schedule with bubble (PP-1)/(V*M); parallelism ordered "
+             "[TP, CP, PP, DP] (DP outermost; the planner puts PP outermost, both cross nodes here). Read from a "
+             "transcription of the paper (arXiv 2407.21783).",
+        why_not=_LLAMA3_WHY),
     PublishedRun(
         "Llama 3 405B, 8K GPUs", "llama3-405b", "H100", 1024, 8, 50.0, "400 Gb/s RoCE per GPU",
         global_batch=2048, seq_len=8192, dp=64, tp=8, pp=16, zero=None, ckpt=None, micro_batch=None,
         schedule="interleaved 1F1B (flexible number of micro-batches)", reported_tflops=430.0,
-        counts_recompute=False, stated_mfu=0.43, source=LLAMA3,
-        note="Table 4 (TP 8, CP 1, PP 16, DP 64, 430 TFLOP/s, 43 % BF16 MFU): from the paper, not re-checked here.",
-        why_not=_LLAMA3_WHY.format(m=32, bubble=15 / 32)),
+        counts_recompute=False, stated_mfu=0.43, grad_bytes=4, source=LLAMA3,
+        note="Table 4, row 1: 8,192 GPUs, TP 8, CP 1, PP 16, DP 64, sequence 8,192, batch size/DP 32, 16M tokens, "
+             "430 TFLOP/s per GPU, 43 % BF16 MFU; cluster, FSDP, fp32 gradients (grad_bytes 4), no activation "
+             "checkpointing and the schedule as the 16K row.",
+        why_not=_LLAMA3_WHY),
 )
 
 
@@ -167,7 +200,7 @@ class Check:
     """A published run in the planner. ``row``: the published layout (unstated fields filled with the planner's
     best feasible choice); ``rank``: its place among all feasible rows by step time (1 = fastest; None if
     infeasible or not enumerated); ``shape_rank``: its dp x tp x pp among all shapes, each at its best row;
-    ``top5``: the best row of each of the five fastest shapes."""
+    ``top5``: the best row of each of the five fastest shapes; ``facts``: the numbers its ``why_not`` quotes."""
 
     run: PublishedRun
     row: Estimate
@@ -176,6 +209,7 @@ class Check:
     top5: list
     n_layouts: int
     seconds: float                      # time plan() took
+    facts: dict = dataclasses.field(default_factory=dict)
 
     @property
     def feasible(self) -> bool:
@@ -200,16 +234,48 @@ class Check:
         t = self.row.time
         return self.row.mfu * t["total"] / (t["total"] - t["bubble"] - t["dp"])
 
+    @property
+    def why_not(self) -> str:
+        """The run's ``why_not`` with the planner's numbers filled in."""
+        return self.run.why_not.format(**self.facts)
+
 
 def _shape(layout: Layout) -> tuple[int, int, int]:
     return layout.dp, layout.tp, layout.pp
 
 
-def check_published(run: PublishedRun, mfu: float = 0.4) -> Check:
+def facts(run: PublishedRun, row: Estimate, best_of_shape: Estimate | None, rank, shape_rank,
+          kernel_efficiency: float) -> dict:
+    """The numbers a run's ``why_not`` quotes, each computed here: the best row of the published shape, the
+    published shape without recomputation, and its memory with Korthikanti et al.'s activations without sequence
+    parallelism (`planner.korthikanti_layer_bytes`), in GiB."""
+    cfg, gpu = run.config, GPU_SPECS[run.gpu]
+    lay = row.layout
+    layers = math.ceil(cfg.n_layer / lay.pp)
+    in_flight = min(lay.pp, row.accum) if lay.pp > 1 else 1
+    none = estimate(cfg, gpu, run.cluster, dataclasses.replace(lay, ckpt="none"), run.global_batch, run.seq_len,
+                    kernel_efficiency=kernel_efficiency, grad_bytes=run.grad_bytes)
+    no_sp_layer = korthikanti_layer_bytes(cfg, lay.tp, run.seq_len, lay.micro_batch, sequence_parallel=False)
+    no_sp_acts = no_sp_layer * layers * in_flight
+    states = none.memory["model_states"]
+    no_sp_total = states + no_sp_acts + none.memory["logits"] + none.memory["zero3_buffers"] + none.memory["reserve"]
+    sbh = run.seq_len * lay.micro_batch * cfg.d_model
+    return dict(m=row.accum, bubble=(lay.pp - 1) / row.accum, layers=layers, in_flight=in_flight,
+                kernel_efficiency=kernel_efficiency, stated_mfu=run.stated_mfu, capacity=gpu.mem_gb,
+                rank=rank or "-", shape_rank=shape_rank or "-",
+                shape_best=best_of_shape.layout.label() if best_of_shape else "none",
+                shape_best_gib=best_of_shape.memory["total"] / GiB if best_of_shape else float("nan"),
+                none_gib=none.memory["total"] / GiB, states_gib=states / GiB,
+                no_sp_sbh=no_sp_layer / sbh, no_sp_layer_gib=no_sp_layer / GiB, no_sp_acts_gib=no_sp_acts / GiB,
+                no_sp_total_gib=no_sp_total / GiB)
+
+
+def check_published(run: PublishedRun, kernel_efficiency: float = 0.4) -> Check:
     """Plan the run's cluster and batch; place the published layout among the feasible ones."""
-    cfg, gpu = get_preset(run.preset), GPU_SPECS[run.gpu]
+    cfg, gpu = run.config, GPU_SPECS[run.gpu]
     t0 = time.perf_counter()
-    rows = plan(cfg, gpu, run.cluster, run.global_batch, run.seq_len, mfu=mfu)
+    rows = plan(cfg, gpu, run.cluster, run.global_batch, run.seq_len, kernel_efficiency=kernel_efficiency,
+                grad_bytes=run.grad_bytes)
     seconds = time.perf_counter() - t0
     feasible = [r for r in rows if r.feasible]
     stated = {k: getattr(run, k) for k in ("zero", "ckpt", "micro_batch") if getattr(run, k) is not None}
@@ -219,29 +285,32 @@ def check_published(run: PublishedRun, mfu: float = 0.4) -> Check:
         row, rank = mine[0], feasible.index(mine[0]) + 1
     else:                               # infeasible: the planner's reason for the stated (or default) choices
         layout = Layout(run.dp, run.tp, run.pp, **{"zero": 1, "ckpt": "none", "micro_batch": 1, **stated})
-        row, rank = estimate(cfg, gpu, run.cluster, layout, run.global_batch, run.seq_len, mfu=mfu), None
+        row, rank = estimate(cfg, gpu, run.cluster, layout, run.global_batch, run.seq_len,
+                             kernel_efficiency=kernel_efficiency, grad_bytes=run.grad_bytes), None
     best_of_shape: dict = {}
     for r in feasible:
         best_of_shape.setdefault(_shape(r.layout), r)
     shapes = list(best_of_shape)
     shape = (run.dp, run.tp, run.pp)
     shape_rank = shapes.index(shape) + 1 if shape in best_of_shape else None
-    return Check(run, row, rank, shape_rank, [best_of_shape[s] for s in shapes[:5]], len(rows), seconds)
+    return Check(run, row, rank, shape_rank, [best_of_shape[s] for s in shapes[:5]], len(rows), seconds,
+                 facts(run, row, best_of_shape.get(shape), rank, shape_rank, kernel_efficiency))
 
 
-def check_all(runs=PUBLISHED, mfu: float = 0.4) -> list[Check]:
-    return [check_published(r, mfu) for r in runs]
+def check_all(runs=PUBLISHED, kernel_efficiency: float = 0.4) -> list[Check]:
+    return [check_published(r, kernel_efficiency) for r in runs]
 
 
 def published_table(checks: list[Check]) -> str:
-    """One line per run: published layout, feasible, ranks, planner vs reported MFU (model FLOPs)."""
+    """One line per run: published layout, feasible, ranks, planner vs reported MFU (model FLOPs), and the reported
+    TFLOP/s per GPU as the source counts them."""
     lines = [f"{'run':<24} {'GPUs':>6} {'published dp x tp x pp':>22} {'feasible':>8} {'rank':>5} {'shape':>5} "
-             f"{'MFU planner':>11} {'no bubble/dp':>12} {'reported':>8}"]
+             f"{'MFU planner':>11} {'no bubble/dp':>12} {'reported':>8} {'TFLOP/s':>8}"]
     for c in checks:
         r = c.run
         lines.append(f"{r.name:<24} {r.cluster.n_gpus:>6} {f'{r.dp} x {r.tp} x {r.pp}':>22} {str(c.feasible):>8} "
                      f"{c.rank or '-':>5} {c.shape_rank or '-':>5} {c.planner_mfu:>11.1%} "
-                     f"{c.mfu_without_bubble_and_dp:>12.1%} {c.reported_mfu:>8.1%}")
+                     f"{c.mfu_without_bubble_and_dp:>12.1%} {c.reported_mfu:>8.1%} {r.reported_tflops:>8.0f}")
     return "\n".join(lines)
 
 
@@ -268,18 +337,18 @@ def family(layout: Layout) -> str:
 
 
 def method_by_size(gpu: str = "H100", nodes=(1, 8, 64), gpus_per_node: int = 8, inter_gbs_per_gpu: float = 50.0,
-                   global_batch: int = 1024, mfu: float = 0.4) -> list[dict]:
+                   global_batch: int = 1024, kernel_efficiency: float = 0.4) -> list[dict]:
     """For each size in :data:`SIZES` and each cluster of ``nodes x gpus_per_node`` GPUs: the fastest feasible
     layout of every strategy family (None: no layout of that family fits), and the planner's overall choice.
     ZeRO-3's working buffers (two layers' gathered 16-bit parameters: the one in use and the prefetched one) are
-    counted: 31 GB for the 1T model without TP."""
+    counted: 29 GiB for the 1T model without TP (tests/test_published_layouts.py)."""
     out = []
     for size, cfg in SIZES.items():
         for n in nodes:
             cluster = Cluster(f"{n} x {gpus_per_node} {gpu}, {inter_gbs_per_gpu:g} GB/s per GPU", n, gpus_per_node,
                               inter_gbs_per_gpu)
             best: dict = {f: None for f in FAMILIES}
-            for r in plan(cfg, GPU_SPECS[gpu], cluster, global_batch, mfu=mfu):
+            for r in plan(cfg, GPU_SPECS[gpu], cluster, global_batch, kernel_efficiency=kernel_efficiency):
                 if r.feasible and best[family(r.layout)] is None:
                     best[family(r.layout)] = r
             fits = [f for f in FAMILIES if best[f] is not None]
@@ -316,8 +385,8 @@ _METHOD_RUNS = (
     ("ZeRO-2", "ZeRO-2 over all GPUs", "10B", lambda n: (n, 1, 1, 2), False,
      "DP's volume (reduce-scatter + all-gather), not overlapped"),
     ("ZeRO-3", "ZeRO-3 over all GPUs", "10B", lambda n: (n, 1, 1, 3), False,
-     "parameters all-gathered in forward and backward and gradients reduce-scattered for every micro-batch: 3x "
-     "DP's volume per micro-batch, none of it prefetched or overlapped here"),
+     "parameters all-gathered in forward and backward and gradients reduce-scattered for every micro-batch, where "
+     "ZeRO-1/2 reduce-scatter and all-gather once per step; none of it prefetched or overlapped here"),
     ("FSDP", "FSDP full shard over all GPUs", "10B", lambda n: (n, 1, 1, 3), False,
      "FSDP's full shard is ZeRO-3: the same number; the seed's higher range for FSDP can only come from "
      "prefetching and overlap (or SHARD_GRAD_OP, which is ZeRO-2), not from the algorithm"),
@@ -325,11 +394,11 @@ _METHOD_RUNS = (
 
 
 def efficiency_estimates(gpu: str = "H100", nodes: int = 4, gpus_per_node: int = 8, inter_gbs_per_gpu: float = 50.0,
-                         global_batch: int = 512, mfu: float = 0.4) -> list[dict]:
+                         global_batch: int = 512, kernel_efficiency: float = 0.4) -> list[dict]:
     """Each seed method alone on ``nodes x gpus_per_node`` GPUs (400 Gb/s InfiniBand = 50 GB/s per GPU by default):
-    scaling efficiency = time of the model FLOPs at the assumed kernel efficiency / step time (= planner MFU / mfu),
-    for the best feasible recomputation and micro-batch. No communication overlaps compute in the planner, so these
-    are lower bounds for implementations that overlap (DDP, FSDP, DeepSpeed)."""
+    scaling efficiency = time of the model FLOPs at the assumed kernel efficiency / step time (= planner MFU /
+    kernel_efficiency), for the best feasible recomputation and micro-batch. No communication overlaps compute in
+    the planner, so these are lower bounds for implementations that overlap (DDP, FSDP, DeepSpeed)."""
     cluster = Cluster(f"{nodes} x {gpus_per_node} {gpu}, {inter_gbs_per_gpu:g} GB/s per GPU", nodes, gpus_per_node,
                       inter_gbs_per_gpu)
     node = Cluster(f"1 x {gpus_per_node} {gpu}", 1, gpus_per_node, inter_gbs_per_gpu)
@@ -338,16 +407,17 @@ def efficiency_estimates(gpu: str = "H100", nodes: int = 4, gpus_per_node: int =
         on = node if one_node else cluster
         n, cfg = on.n_gpus, SIZES[size]
         dp, tp, pp, zero = layout_of(n)
-        rows = [estimate(cfg, GPU_SPECS[gpu], on, Layout(dp, tp, pp, zero, ckpt, b), global_batch, mfu=mfu)
+        rows = [estimate(cfg, GPU_SPECS[gpu], on, Layout(dp, tp, pp, zero, ckpt, b), global_batch,
+                         kernel_efficiency=kernel_efficiency)
                 for ckpt in ("none", "selective", "full") for b in (1, 2, 4, 8)]
         feasible = sorted((r for r in rows if r.feasible), key=lambda r: r.time["total"])
         if not feasible:
             raise ValueError(f"{what}: no feasible layout for {size} on {on.name}: {rows[0].why}")
         best = feasible[0]
-        eff = best.mfu / mfu
+        eff = best.mfu / kernel_efficiency
         lo, hi = SEED_EFFICIENCY[method]
         t = best.time
-        model_time = flops.step_flops(cfg, global_batch) / (n * GPU_SPECS[gpu].bf16_tflops * 1e12 * mfu)
+        model_time = flops.step_flops(cfg, global_batch) / (n * GPU_SPECS[gpu].bf16_tflops * 1e12 * kernel_efficiency)
         overheads = {"recomputation": t["compute"] - model_time, "bubble": t["bubble"], "tp": t["tp"], "pp": t["pp"],
                      "dp": t["dp"]}
         top = sorted((k for k in overheads if overheads[k] > 0.01 * t["total"]), key=overheads.get, reverse=True)

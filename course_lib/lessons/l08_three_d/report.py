@@ -1,17 +1,19 @@
 """Lesson 08's tables, figures and the planner's front-end.
 
     grid_figure(sizes, members, gpus_per_node=4)      # the ranks of a dp x pp x tp grid and their groups
-    comm_figure(rows, hw)                             # bytes per dimension per rank: counted vs formula
+    comm_table(rows, hw); comm_figure(rows, hw)       # payload bytes per dimension per rank: counted vs formula
     print(plan_table(rows, k=10)); frontier_figure(rows, title)
     planner_widget()                                  # ipywidgets over `course_lib.theory.planner.plan`
 """
 
 from __future__ import annotations
 
+import re
+
 from course_lib.config import PRESETS
 from course_lib.lessons.common import plain_log_ticks
 from course_lib.measure import GPU_SPECS
-from course_lib.theory.planner import Cluster, plan
+from course_lib.theory.planner import GiB, Cluster, plan
 
 __all__ = ["grid_figure", "comm_table", "comm_figure", "plan_table", "frontier", "frontier_figure", "planner_widget"]
 
@@ -62,18 +64,21 @@ def grid_figure(sizes: dict, members: list[dict], gpus_per_node: int, title: str
 
 
 def comm_table(rows: list[dict], hardware: str) -> str:
-    """Per rank: its coordinates and the bytes each dimension moved, counted beside the formula."""
-    head = f"{'rank':>4s} {'pp dp tp':>9s}  " + "  ".join(f"{d + ' counted':>12s} {'formula':>10s}" for d in DIMS)
-    lines = [f"measured on {hardware}", head, "-" * len(head)]
+    """Per rank: its coordinates and, per dimension, the payload bytes of its calls (counted, and by formula) and
+    the bytes it puts on the wire (payload x the collective's bus factor on a ring; a point-to-point message is its
+    payload)."""
+    head = (f"{'rank':>4s} {'pp dp tp':>9s}  "
+            + "  ".join(f"{d + ' payload':>12s} {'formula':>10s} {'wire':>10s}" for d in DIMS))
+    lines = [f"measured on {hardware} (bytes per rank for the whole run)", head, "-" * len(head)]
     for r, row in enumerate(rows):
         c = row["coords"]
-        cells = "  ".join(f"{row['counted'][d]:>12,} {row['formula'][d]:>10,}" for d in DIMS)
+        cells = "  ".join(f"{row['counted'][d]:>12,} {row['formula'][d]:>10,} {row['wire'][d]:>10,}" for d in DIMS)
         lines.append(f"{r:>4d} {c['pp']:>3d}{c['dp']:>3d}{c['tp']:>3d}  {cells}")
     return "\n".join(lines)
 
 
 def comm_figure(rows: list[dict], hardware: str, title: str = ""):
-    """Bars of the bytes each rank moved per dimension (counted), with the formula as a black tick."""
+    """Bars of the payload bytes of each rank's calls per dimension (counted), with the formula as a black tick."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 3.2))
@@ -85,35 +90,41 @@ def comm_figure(rows: list[dict], hardware: str, title: str = ""):
         ax.plot(xs, [row["formula"][dim] / 1e3 for row in rows], "k_", ms=9, mew=2,
                 label="formula" if i == 0 else None)
     ax.set_xticks(range(len(rows)), [f"rank {r}" for r in range(len(rows))], fontsize=8)
-    ax.set_ylabel("KB sent / received per rank")
-    ax.set_title(title or f"what each dimension moved in the run ({hardware})", fontsize=9)
+    ax.set_ylabel("KB of payload per rank")
+    ax.set_title(title or f"payload of each dimension's calls in the run ({hardware})", fontsize=9)
     ax.legend(fontsize=7, ncol=4)
     fig.tight_layout()
     return fig
 
 
 def plan_table(rows, k: int = 10, infeasible: int = 5) -> str:
-    """The ``k`` fastest feasible layouts of `planner.plan`, then ``infeasible`` rejected ones with their reason."""
-    head = (f"{'#':>3s} {'layout':38s} {'accum':>5s} {'GB/GPU':>7s} {'states':>7s} {'acts':>6s} {'step s':>8s} "
-            f"{'bubble':>7s} {'tp':>6s} {'pp':>6s} {'dp':>6s} {'MFU':>5s}")
+    """The ``k`` fastest feasible layouts of `planner.plan` (memory in GiB of the stage that needs the most, step
+    time in seconds by part, MFU and HFU of the step), then ``infeasible`` rejected ones with their reason and one
+    of the layouts the planner does not model."""
+    head = (f"{'#':>3s} {'layout':38s} {'accum':>5s} {'GiB/GPU':>7s} {'states':>7s} {'acts':>6s} {'step s':>8s} "
+            f"{'bubble':>7s} {'tp':>6s} {'pp':>6s} {'dp':>6s} {'MFU':>5s} {'HFU':>5s}")
     lines = [head, "-" * len(head)]
     ok = [r for r in rows if r.feasible]
     for i, r in enumerate(ok[:k], 1):
         t, m = r.time, r.memory
-        lines.append(f"{i:>3d} {r.layout.label():38s} {r.accum:>5d} {m['total'] / 1e9:>7.1f} "
-                     f"{m['model_states'] / 1e9:>7.1f} {m['activations'] / 1e9:>6.1f} {t['total']:>8.2f} "
-                     f"{t['bubble']:>7.2f} {t['tp']:>6.2f} {t['pp']:>6.3f} {t['dp']:>6.2f} {r.mfu:>5.1%}")
-    bad = [r for r in rows if not r.feasible]
-    lines.append(f"{len(ok)} feasible, {len(bad)} infeasible layouts; for example:")
+        lines.append(f"{i:>3d} {r.layout.label():38s} {r.accum:>5d} {m['total'] / GiB:>7.1f} "
+                     f"{m['model_states'] / GiB:>7.1f} {m['activations'] / GiB:>6.1f} {t['total']:>8.2f} "
+                     f"{t['bubble']:>7.2f} {t['tp']:>6.2f} {t['pp']:>6.3f} {t['dp']:>6.2f} {r.mfu:>5.1%} "
+                     f"{r.hfu:>5.1%}")
+    bad = [r for r in rows if r.status == "infeasible"]
+    skipped = [r for r in rows if r.status == "not modelled"]
+    lines.append(f"{len(ok)} feasible, {len(bad)} infeasible, {len(skipped)} not modelled; for example:")
     shown = set()
     for r in bad:
-        reason = r.why.split(";")[0].split(" per GPU")[0].split(" = ")[0]
+        reason = re.sub(r"[\d.]+", "#", r.why.split(";")[0])            # one line per kind of reason
         if reason in shown:
             continue
         shown.add(reason)
         lines.append(f"    {r.layout.label():38s} {r.why}")
         if len(shown) >= infeasible:
             break
+    if skipped:
+        lines.append(f"    {skipped[0].layout.label():38s} {skipped[0].not_modelled}")
     return "\n".join(lines)
 
 
@@ -133,35 +144,35 @@ def frontier_figure(rows, title: str, gpu_gb: float, mark=None):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    bad = [r for r in rows if not r.feasible and r.time["total"] > 0]
+    bad = [r for r in rows if r.status == "infeasible" and r.time["total"] > 0]
     ok = [r for r in rows if r.feasible]
-    ax.scatter([r.time["total"] for r in bad], [r.memory["total"] / 1e9 for r in bad], s=6, color="#bbbbbb",
+    ax.scatter([r.time["total"] for r in bad], [r.memory["total"] / GiB for r in bad], s=6, color="#bbbbbb",
                label="infeasible")
     handle = None
     for ckpt, marker in (("none", "o"), ("selective", "s"), ("full", "^")):
         sel = [r for r in ok if r.layout.ckpt == ckpt]
-        handle = ax.scatter([r.time["total"] for r in sel], [r.memory["total"] / 1e9 for r in sel], s=12, marker=marker,
+        handle = ax.scatter([r.time["total"] for r in sel], [r.memory["total"] / GiB for r in sel], s=12, marker=marker,
                    c=[r.layout.pp for r in sel], cmap="viridis", vmin=1, vmax=max([r.layout.pp for r in ok] + [2]),
                    label=f"feasible, ckpt={ckpt}")
     if ok:
         fig.colorbar(handle, ax=ax, label="pipeline stages (pp)", pad=0.01)
     front = frontier(rows)
-    ax.plot([r.time["total"] for r in front], [r.memory["total"] / 1e9 for r in front], "r-", lw=1.2,
+    ax.plot([r.time["total"] for r in front], [r.memory["total"] / GiB for r in front], "r-", lw=1.2,
             label="frontier")
     if ok:
-        ax.scatter([ok[0].time["total"]], [ok[0].memory["total"] / 1e9], s=120, facecolors="none",
+        ax.scatter([ok[0].time["total"]], [ok[0].memory["total"] / GiB], s=120, facecolors="none",
                    edgecolors="r", label=f"fastest: {ok[0].layout.label()}")
     if mark is not None:
         hit = [r for r in rows if r.layout == mark]
         if hit:
-            ax.scatter([hit[0].time["total"]], [hit[0].memory["total"] / 1e9], s=160, marker="*",
+            ax.scatter([hit[0].time["total"]], [hit[0].memory["total"] / GiB], s=160, marker="*",
                        facecolors="none", edgecolors="k", label=f"marked: {mark.label()}")
-    ax.axhline(gpu_gb, color="#d62728", ls="--", lw=1, label=f"{gpu_gb:g} GB per GPU")
+    ax.axhline(gpu_gb, color="#d62728", ls="--", lw=1, label=f"{gpu_gb:g} GiB per GPU")
     ax.set_xscale("log")
     ax.set_yscale("log")
     plain_log_ticks(ax)
-    ax.set_xlabel("step time, s (formula: no overlap, assumed MFU)")
-    ax.set_ylabel("GB per GPU (formula)")
+    ax.set_xlabel("step time, s (formula: no overlap, assumed kernel efficiency)")
+    ax.set_ylabel("GiB per GPU (formula)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=6, loc="upper right")
     fig.tight_layout()
@@ -169,8 +180,8 @@ def frontier_figure(rows, title: str, gpu_gb: float, mark=None):
 
 
 def planner_widget():
-    """ipywidgets: model preset, GPU, nodes x GPUs per node, inter-node bandwidth, global batch, MFU; prints the
-    ranked table and draws the frontier (formula only)."""
+    """ipywidgets: model preset, GPU, nodes x GPUs per node, inter-node bandwidth, global batch, the assumed kernel
+    efficiency (a hardware FLOPs utilisation); prints the ranked table and draws the frontier (formula only)."""
     import ipywidgets as w
     import matplotlib.pyplot as plt
     from IPython.display import display
@@ -182,7 +193,7 @@ def planner_widget():
     per_node = w.Dropdown(options=[4, 8], value=8, description="GPUs/node")
     inter = w.FloatText(value=25.0, description="inter GB/s")
     batch = w.IntText(value=1536, description="global batch")
-    mfu = w.FloatSlider(value=0.4, min=0.1, max=0.7, step=0.05, description="MFU")
+    efficiency = w.FloatSlider(value=0.4, min=0.1, max=0.7, step=0.05, description="kernel eff.")
     out = w.Output()
 
     def update(*_):
@@ -190,15 +201,16 @@ def planner_widget():
             out.clear_output(wait=True)
             cluster = Cluster(f"{nodes.value} x {per_node.value} {gpu.value}", nodes.value, per_node.value,
                               inter.value)
-            rows = plan(PRESETS[preset.value], GPU_SPECS[gpu.value], cluster, batch.value, mfu=mfu.value)
-            print(f"{preset.value} on {cluster.name}, global batch {batch.value}, MFU {mfu.value:.0%} "
-                  f"(formula, no GPU involved)")
+            rows = plan(PRESETS[preset.value], GPU_SPECS[gpu.value], cluster, batch.value,
+                        kernel_efficiency=efficiency.value)
+            print(f"{preset.value} on {cluster.name}, global batch {batch.value}, kernel efficiency (HFU) "
+                  f"{efficiency.value:.0%} assumed (formula, no GPU involved)")
             print(plan_table(rows, k=8, infeasible=3))
             fig = frontier_figure(rows, f"{preset.value} on {cluster.name}", GPU_SPECS[gpu.value].mem_gb)
             display(fig)
             plt.close(fig)
 
-    for widget in (preset, gpu, nodes, per_node, inter, batch, mfu):
+    for widget in (preset, gpu, nodes, per_node, inter, batch, efficiency):
         widget.observe(update, names="value")
     update()
-    return w.VBox([w.HBox([preset, gpu, nodes]), w.HBox([per_node, inter, batch]), mfu, out])
+    return w.VBox([w.HBox([preset, gpu, nodes]), w.HBox([per_node, inter, batch]), efficiency, out])

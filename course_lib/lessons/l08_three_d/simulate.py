@@ -3,7 +3,9 @@ fake process group of up to thousands of ranks, their local shards counted and c
 
 PyTorch can build a sharded model without devices: a process group of backend ``"fake"``
 (`torch.testing._internal.distributed.fake_pg.FakeStore`: every collective returns at once, nothing is sent) of any
-world size, a `DeviceMesh` on it, and a model on the ``meta`` device (shapes, no storage). DTensor's tensor
+world size, a `DeviceMesh` on it, and a model on the ``meta`` device (shapes, no storage). ``FakeStore`` is private:
+``torch.testing._internal`` is PyTorch's own test helpers, with no stability promise (it may change or disappear in
+any release; torchtitan's memory estimator imports it all the same). DTensor's tensor
 parallelism and FSDP2 then create exactly the local shards each rank would hold (torchtitan estimates memory this
 way). One process plays one rank; the shards of a rank are the same size on every rank of a stage.
 
@@ -139,7 +141,8 @@ def _simulate(layouts) -> list[dict]:
         planned = stage_params(cfg, tp, pp) / dp
         rows.append(dict(model=name, params=cfg.num_params(), world=world, dp=dp, tp=tp, pp=pp,
                          local_params=local, planner_params=planned, error=local / planned - 1,
-                         local_state_bytes=16 * local, planner_state_bytes=16 * planned,
+                         # bf16 parameters, fp32 gradients, fp32 master + Adam moments: 2 + 4 + 12 bytes each
+                         local_state_bytes=18 * local, planner_state_bytes=18 * planned,
                          seconds=round(time.perf_counter() - t0, 2)))
     return rows
 
@@ -310,25 +313,34 @@ def fake_group_activations(layouts=ACT_LAYOUTS, timeout_s: float = 300) -> list[
 
 
 def table(rows: list[dict]) -> str:
-    """The comparison table: model, layout, world, planner vs shard parameters per GPU, ZeRO-3 state bytes."""
+    """The comparison table: model, layout, world, planner vs shard parameters per GPU, ZeRO-3 state GiB (2 + 4 + 12
+    bytes per parameter: bf16 parameters, fp32 gradients, fp32 master weights and Adam moments)."""
     lines = [f"{'model':<12} {'world':>5} {'dp':>4} {'tp':>3} {'pp':>3} {'planner M/GPU':>14} {'shards M/GPU':>13} "
-             f"{'error':>7} {'16 B/param GB':>14}"]
+             f"{'error':>7} {'18 B/param GiB':>15}"]
     for r in rows:
         lines.append(f"{r['model']:<12} {r['world']:>5} {r['dp']:>4} {r['tp']:>3} {r['pp']:>3} "
                      f"{r['planner_params'] / 1e6:>14.2f} {r['local_params'] / 1e6:>13.2f} {r['error']:>+7.2%} "
-                     f"{r['local_state_bytes'] / 1e9:>14.2f}")
+                     f"{r['local_state_bytes'] / 2 ** 30:>15.2f}")
     return "\n".join(lines)
 
 
 def activation_table(rows: list[dict]) -> str:
     """Activation bytes per layer per GPU: the memory tracker's, autograd's saved tensors', the planner's (in MB and
-    in units of s b h bytes), and the tracker's without re-gathering the sequence in backward (DTensor's SP alone)."""
+    in units of s b h bytes), Korthikanti et al. 2022's count for their block with TP + SP (naive attention and
+    dropout, `planner.korthikanti_layer_bytes`, in sbh), and the tracker's without re-gathering the sequence in
+    backward (DTensor's SP alone)."""
+    from course_lib.config import get_preset
+    from course_lib.theory.planner import korthikanti_layer_bytes
+
     lines = [f"{'model':<12} {'tp':>3} {'seq':>5} {'tracker MB':>11} {'saved MB':>9} {'planner MB':>11} "
-             f"{'error':>7} {'tracker sbh':>12} {'planner sbh':>12} {'DTensor MB':>11}"]
+             f"{'error':>7} {'tracker sbh':>12} {'planner sbh':>12} {'Korthikanti sbh':>16} {'DTensor MB':>11}"]
     for r in rows:
+        cfg = get_preset(r["model"])
+        paper = korthikanti_layer_bytes(cfg, r["tp"], r["seq_len"], 1) / (r["seq_len"] * cfg.d_model)
         lines.append(f"{r['model']:<12} {r['tp']:>3} {r['seq_len']:>5} {r['tracker_bytes'] / 1e6:>11.1f} "
                      f"{r['saved_bytes'] / 1e6:>9.1f} {r['planner_bytes'] / 1e6:>11.1f} {r['error']:>+7.2%} "
-                     f"{r['tracker_sbh']:>12.3f} {r['planner_sbh']:>12.3f} {r['dtensor_bytes'] / 1e6:>11.1f}")
+                     f"{r['tracker_sbh']:>12.3f} {r['planner_sbh']:>12.3f} {paper:>16.2f} "
+                     f"{r['dtensor_bytes'] / 1e6:>11.1f}")
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from course_lib.lessons.common import grads_of, params_of, relative_error, small
 from course_lib.lessons.l09_training.experiments import dp_tp_gradients, one_process_clip
 from course_lib.model import build_model
 from course_lib.parallel import schedules
+from course_lib.reference import reference_for
 
 __all__ = ["SCHEDULE_SETTINGS", "check_schedule", "NORM_CFG", "MAX_NORM", "norm_reference", "check_global_norm",
            "ALERT_CASES", "alert_reference", "check_alert_rule", "RESUME_CFG", "check_resume"]
@@ -208,6 +209,7 @@ ALERT_CASES = (  # (name, op, threshold, for_s, [(t, value), ...], hint)
 )
 
 
+@reference_for("09-alert-rule")
 def alert_reference(op: str, threshold: float, for_s: float, samples) -> list[float]:
     """The times at which `alerts.AlertEngine` fires a rule ``metric op threshold for for_s`` on ``samples``."""
     engine = AlertEngine([Rule("rule", "metric", op, threshold, for_s, "")])
@@ -291,12 +293,20 @@ def _train(model, opt, sched, step: int, position: int, stop: int) -> tuple[list
 
 
 def _streams() -> dict:
-    return {"torch": torch.get_rng_state().clone(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """The generators a run draws from: torch's (CPU), Python's, NumPy's and, where CUDA is present, torch's CUDA
+    generators (one per GPU; dropout on a GPU draws from them). On a CPU machine there is no CUDA generator to
+    save or compare, and the check leaves it out."""
+    out = {"torch": torch.get_rng_state().clone(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = [s.clone() for s in torch.cuda.get_rng_state_all()]
+    return out
 
 
 def _same_stream(kind: str, a, b) -> bool:
     if kind == "torch":
         return torch.equal(a, b)
+    if kind == "cuda":
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
     if kind == "python":
         return a == b
     return a[0] == b[0] and np.array_equal(a[1], b[1]) and tuple(a[2:]) == tuple(b[2:])
@@ -319,12 +329,19 @@ def _same_optimizer_state(a: dict, b: dict) -> bool:
     return True
 
 
-STREAM_NAMES = {"torch": "torch's", "python": "Python's", "numpy": "NumPy's"}
+STREAM_NAMES = {"torch": "torch's", "python": "Python's", "numpy": "NumPy's", "cuda": "the CUDA generators'"}
+RESTORE_HINTS = {  # what to save and restore when a generator's state after load_checkpoint is not the saved one
+    "torch": "torch's generator: read its state when saving, set it last when loading",
+    "python": "Python's random module has its own generator: save and restore its state too",
+    "numpy": "NumPy's global generator has its own state: save and restore it too",
+    "cuda": "CUDA is present here: torch keeps one more generator per GPU (torch.cuda); save and restore them too",
+}
 
 
 def check_resume(save_fn: Callable, load_fn: Callable) -> dict:
     """A run of STEPS steps (the course's GPT with dropout, AdamW, a warm-up + cosine LambdaLR, gradient
-    accumulation, micro-batches that Python's and NumPy's generators pick and crop) stopped after STOP steps with
+    accumulation, micro-batches that Python's and NumPy's generators pick and crop; on the CPU, so the CUDA
+    generators, where CUDA is present, are compared as states only) stopped after STOP steps with
     ``save_fn(folder, model=, optimizer=, scheduler=, step=, data_position=)`` and resumed in a fresh "process"
     (new model, optimizer and schedule, other seeds) with ``load_fn(folder, model=, optimizer=, scheduler=) ->
     (step, data_position)`` from a copy of the folder must give exactly (bit for bit) the uninterrupted run's
@@ -344,9 +361,10 @@ def check_resume(save_fn: Callable, load_fn: Callable) -> dict:
         save_fn(str(root / "ckpt"), model=model, optimizer=opt, scheduler=sched, step=step, data_position=position)
         check_true("the checkpoint folder exists after save_checkpoint", (root / "ckpt").is_dir(),
                    hint="create the folder you are given (os.makedirs) and write your files into it")
-        for kind, name in STREAM_NAMES.items():
-            check_true(f"saving leaves {name} random state as it was", _same_stream(kind, _streams()[kind],
-                       saved["streams"][kind]), hint="read the states; do not draw random numbers while saving")
+        for kind in saved["streams"]:
+            check_true(f"saving leaves {STREAM_NAMES[kind]} random state as it was", _same_stream(
+                kind, _streams()[kind], saved["streams"][kind]),
+                hint="read the states; do not draw random numbers while saving")
         losses += _train(model, opt, sched, step, position, STEPS)[0]
         check_true("a run that saved after step 3 and went on equals the uninterrupted run",
                    losses == ref_losses and all(torch.equal(p, ref_params[k]) for k, p in params_of(model).items()),
@@ -369,11 +387,9 @@ def check_resume(save_fn: Callable, load_fn: Callable) -> dict:
                     saved["last_epoch"], hint="scheduler.state_dict() / scheduler.load_state_dict()")
         check_close("the learning rate after load_checkpoint", opt.param_groups[0]["lr"], saved["lr"], rtol=0,
                     atol=0, hint="restore the optimizer's param groups and the schedule")
-        for kind, name in STREAM_NAMES.items():
-            check_true(f"{name} random state after load_checkpoint equals the one at save time",
-                       _same_stream(kind, _streams()[kind], saved["streams"][kind]),
-                       hint="save and restore torch.get_rng_state(), random.getstate() and np.random.get_state(); "
-                            "set them last, after everything else is loaded")
+        for kind in saved["streams"]:                      # 'cuda' only where CUDA is present
+            check_true(f"{STREAM_NAMES[kind]} random state after load_checkpoint equals the one at save time",
+                       _same_stream(kind, _streams()[kind], saved["streams"][kind]), hint=RESTORE_HINTS[kind])
         tail, step, position = _train(model, opt, sched, got[0], got[1], STEPS)
         diff = max((abs(a - b) for a, b in zip(tail, ref_losses[STOP:])), default=math.inf)
         check_true(f"losses of steps {STOP}-{STEPS - 1} after the resume equal the uninterrupted run's, bit for bit "

@@ -61,7 +61,10 @@ def lr_curves(peak_lr: float, warmup_steps: int, total_steps: int, min_lr: float
     'ours' (`schedules.warmup_cosine`, closed form), 'lambda' (its torch ``LambdaLR``), 'torch' (LinearLR +
     CosineAnnealingLR in SequentialLR, `schedules.torch_warmup_cosine`), and with ``deepspeed`` DeepSpeed's own
     scheduler objects: 'ds_cosine' (``WarmupCosineLR``) and 'ds_warmup' (``WarmupLR``, warm-up then constant) with
-    the parameters `schedules.deepspeed_scheduler_config` chooses; 'warmup_constant' is our twin of WarmupLR."""
+    the parameters `schedules.deepspeed_scheduler_config` chooses (``warmup_type='linear'``), and 'ds_cosine_log',
+    the same ``WarmupCosineLR`` with DeepSpeed's default ``warmup_type='log'``; 'warmup_constant' is our twin of
+    WarmupLR. DeepSpeed's rates are those of iteration s = 0, 1, ... (see `schedules`' docstring for what an engine
+    uses at update s)."""
     kw = dict(peak_lr=peak_lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr=min_lr)
     n = total_steps
 
@@ -84,6 +87,8 @@ def lr_curves(peak_lr: float, warmup_steps: int, total_steps: int, min_lr: float
         try:
             cos = schedules.deepspeed_scheduler_config("WarmupCosineLR", **kw)["params"]
             out["ds_cosine"] = _rates(None, lr_schedules.WarmupCosineLR(opt(), **cos), n, deepspeed=True)
+            out["ds_cosine_log"] = _rates(None, lr_schedules.WarmupCosineLR(opt(), **{**cos, "warmup_type": "log"}),
+                                          n, deepspeed=True)
             warm = schedules.deepspeed_scheduler_config("WarmupLR", peak_lr=peak_lr,
                                                         warmup_steps=warmup_steps)["params"]
             out["ds_warmup"] = _rates(None, lr_schedules.WarmupLR(opt(), **warm), n, deepspeed=True)

@@ -43,11 +43,13 @@ def lr_figure(curves: dict, hardware: str, title: str = ""):
     steps = range(len(curves["ours"]))
     ax.plot(steps, curves["ours"], "k-", lw=3, alpha=0.35, label="ours (closed form)")
     styles = {"lambda": ("C0", "--", "torch LambdaLR"), "torch": ("C1", ":", "torch LinearLR + CosineAnnealingLR"),
-              "ds_cosine": ("C3", "-", "DeepSpeed WarmupCosineLR"), "ds_warmup": ("C2", "-", "DeepSpeed WarmupLR")}
+              "ds_cosine": ("C3", "-", "DeepSpeed WarmupCosineLR, linear warm-up"),
+              "ds_cosine_log": ("C4", "-.", "DeepSpeed WarmupCosineLR, log warm-up (its default)"),
+              "ds_warmup": ("C2", "-", "DeepSpeed WarmupLR")}
     for key, (color, ls, label) in styles.items():
         if key in curves:
             ax.plot(steps, curves[key], color=color, ls=ls, lw=1.2, label=label)
-            if key != "ds_warmup":
+            if key not in ("ds_warmup", "ds_cosine_log"):      # the right panel: twins of ours that differ by a step
                 diff.plot(steps, [a - b for a, b in zip(curves[key], curves["ours"])], color=color, ls=ls, lw=1.2,
                           label=label)
     ax.set_xlabel("optimizer update s")
@@ -171,7 +173,7 @@ def interval_widget():
     from IPython.display import display
 
     gpus = w.Dropdown(options=[8, 64, 512, 1024, 4096, 16384], value=1024, description="GPUs")
-    mtbf = w.Dropdown(options=[10_000, 50_000, 100_000, 500_000], value=50_000, description="GPU MTBF h")
+    mtbf = w.Dropdown(options=[10_000, 50_000, 100_000, 500_000], value=50_000, description="GPU-h / int.")
     delta = w.FloatSlider(value=60.0, min=5.0, max=600.0, step=5.0, description="ckpt s")
     restart = w.FloatSlider(value=300.0, min=0.0, max=1800.0, step=30.0, description="restart s")
     out = w.Output()
@@ -182,8 +184,8 @@ def interval_widget():
             m = practice.job_mtbf(mtbf.value * 3600, gpus.value)
             tau = practice.young_daly_interval(delta.value, m)
             lost = practice.waste_fraction(tau, delta.value, m, restart.value)
-            print(f"{gpus.value:,} GPUs, one failure per GPU every {mtbf.value:,} h -> the job fails every "
-                  f"{m / 3600:.1f} h; checkpoint every {tau / 60:.1f} min (Young; Daly "
+            print(f"{gpus.value:,} GPUs, one interruption (any cause) per {mtbf.value:,} GPU-hours -> the job "
+                  f"stops every {m / 3600:.1f} h; checkpoint every {tau / 60:.1f} min (Young; Daly "
                   f"{practice.daly_interval(delta.value, m) / 60:.1f} min): {lost:.1%} of the time lost (formula)")
             fig = waste_figure(delta.value, m, restart.value)
             display(fig)
