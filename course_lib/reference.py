@@ -252,13 +252,14 @@ def _mark_class(cls: type, ids: frozenset) -> type:
 
 def _candidates(obj: Any, depth: int = 0) -> Iterable[Any]:
     """``obj`` and what calling it reaches without a frame of its own: a partial's function, a bound method's
-    function, ``__wrapped__`` chains, an instance's ``__call__``, a class's own attributes along its MRO."""
+    function (and object), ``__wrapped__`` chains, an instance's ``__call__``, a class's own attributes along its
+    MRO."""
     if depth > 4 or obj is None:
         return
     yield obj
-    for attr in ("func", "__func__", "__wrapped__"):
+    for attr in ("func", "__func__", "__wrapped__", "__self__"):     # (__self__: f.__call__ is f's method-wrapper)
         inner = getattr(obj, attr, None) if not isinstance(obj, type) else None
-        if inner is not None and inner is not obj:
+        if inner is not None and inner is not obj and not (attr == "__self__" and inspect.ismodule(inner)):
             yield from _candidates(inner, depth + 1)
     if isinstance(obj, type):
         for klass in obj.__mro__:

@@ -104,10 +104,11 @@ def test_installed_code_and_generated_code_count_as_the_courses():
     lambda: collectives.ring_all_reduce,                                   # an alias
     lambda: functools.partial(collectives.ring_all_reduce, group=None),    # a partial
     lambda: functools.lru_cache(collectives.ring_all_reduce),              # a wrapper with __wrapped__
+    lambda: collectives.ring_all_reduce.__call__,                          # the function's method-wrapper
     lambda: type("Ring", (), {"__call__": staticmethod(collectives.ring_all_reduce)})(),  # an object calling it
     lambda: type("DDP", (ddp.BucketedDDP,), {}),                            # a subclass
     lambda: type("DDP", (), {"finish_gradient_synchronization": ddp.BucketedDDP.finish_gradient_synchronization}),
-], ids=["alias", "partial", "lru_cache", "callable-object", "subclass", "copied-method"])
+], ids=["alias", "partial", "lru_cache", "method-wrapper", "callable-object", "subclass", "copied-method"])
 def test_is_reference_sees_through_aliases(make):
     obj = make()
     found = reference.is_reference(obj, {"02-ring-all-reduce", "02-bucketed-ddp"})
