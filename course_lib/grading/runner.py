@@ -7,7 +7,8 @@ The record goes to a file descriptor the grader passes (``record_fd``), which th
 nor reach through /proc: the submission can kill the runner, not forge its record.
 
 Per code cell it records ``status``: ``ok`` | ``error`` (with ``ename``/``evalue``) | ``timeout`` |
-``died`` | ``not-run`` (the total time limit was reached), and ``limit`` (``memory`` | ``processes``) when
+``died`` | ``not-run`` (the total time limit was reached) | ``skipped`` (a test cell of an exercise that an earlier
+test cell failed, or whose answer called the course's: it scores zero whatever follows), and ``limit`` (``memory`` | ``processes``) when
 the sandbox's cgroup hit that cap during the cell (`course_lib.grading.sandbox`), and ``refused``: the calls of the
 learner's code to the course's own answers that the kernel's guard refused or recorded in the cell
 (`course_lib.grading.kernel_guard`, from the plan's ``guard``). When a cell times out, kills
@@ -248,15 +249,20 @@ def execute(plan: dict) -> dict:
     alive = True
     queue = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
     retried: set[int] = set()
+    lost: set[str] = set()   # exercises already at zero (all or nothing): their later test cells are skipped
     while queue:
         i = queue.pop(0)
         cell = nb.cells[i]
         is_test = "course" in cell.get("metadata", {}) and "exercise" in cell.metadata.course
+        exercise = str(cell.metadata.course.exercise) if is_test else None
         entry = {"index": i, "test": is_test, "status": "not-run", "ename": "", "evalue": "", "seconds": 0.0}
         record["cells"] = [c for c in record["cells"] if c["index"] != i] + [entry]
         left = deadline - time.monotonic()
         if not alive or left <= 1:
             entry["status"] = "not-run" if alive else "died"
+            continue
+        if exercise in lost:
+            entry["status"] = "skipped"
             continue
         client.timeout = max(1, int(min(cell_timeout, left)))
         t0 = time.monotonic()
@@ -280,6 +286,9 @@ def execute(plan: dict) -> dict:
             failure = "died" if dead else "error"
             entry.update(ename=type(exc).__name__, evalue=" ".join(str(exc).split())[:500])
         entry["seconds"] = round(time.monotonic() - t0, 3)
+        lost.update(str(e) for e, _ in entry.get("refused", []))
+        if is_test and (failure or entry["status"]) != "ok":
+            lost.add(exercise)
         after = events()
         hit = [cap for cap in after if after[cap] > before.get(cap, 0)]
         if hit:
