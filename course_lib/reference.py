@@ -287,23 +287,3 @@ def is_reference(obj: Any, exercises: Iterable[str]) -> str | None:
         return None
     return None
 
-
-def references(module_names: Iterable[str]) -> dict[str, list[str]]:
-    """exercise id -> the marked names found in these modules (imported): for docs and tests."""
-    import importlib
-
-    out: dict[str, list[str]] = {}
-    for module_name in module_names:
-        module = importlib.import_module(module_name)
-        for value in vars(module).values():
-            if getattr(value, "__module__", None) != module_name:
-                continue
-            marked = [value] if hasattr(value, MARK) else []
-            if isinstance(value, type) and not hasattr(value, MARK):
-                marked = [v for v in vars(value).values() if hasattr(v, MARK)]
-            for m in marked:
-                for exercise in getattr(m, MARK):
-                    names = out.setdefault(exercise, [])
-                    if getattr(m, NAME) not in names:
-                        names.append(getattr(m, NAME))
-    return out

@@ -64,10 +64,9 @@ def install(plan: dict, shell=None) -> None:
                 value = shell.user_ns.get(name)
                 found = reference.is_reference(value, guard.exercises) if value is not None else None
                 if found:
-                    exercise = min(e for e in guard.exercises)
-                    guard.record(exercise, found)
+                    guard.record(cell["exercise"], found)
                     restore[name] = value
-                    shell.user_ns[name] = Refused(exercise, found)
+                    shell.user_ns[name] = Refused(cell["exercise"], found)
 
     def post_run_cell(result) -> None:
         guard = reference.activate(None)
