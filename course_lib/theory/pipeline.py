@@ -21,7 +21,8 @@ from __future__ import annotations
 from course_lib.reference import reference_for
 
 __all__ = ["bubble_fraction", "bubble_ratio", "interleaved_bubble_fraction", "zero_bubble_idle_time",
-           "one_f_one_b_idle_time", "peak_microbatches_in_flight", "step_time"]
+           "one_f_one_b_idle_time", "peak_microbatches_in_flight", "step_time", "interleaved_in_flight",
+           "p2p_messages_per_microbatch"]
 
 
 def _validate(p: int, m: int) -> None:
@@ -66,11 +67,38 @@ def zero_bubble_idle_time(p: int, t_f: float, t_b: float, t_w: float) -> float:
     return max(0.0, (p - 1) * (t_f + t_b - t_w))
 
 
-def peak_microbatches_in_flight(schedule: str, p: int, m: int, rank: int = 0) -> int:
-    """Micro-batches whose activations rank `rank` holds at its peak: m (GPipe) or min(p - rank, m) (1F1B)."""
+def interleaved_in_flight(p: int, v: int, m: int, rank: int = 0) -> float:
+    """Activations rank `rank` holds at its peak under interleaved 1F1B, in micro-batches of a whole stage.
+
+    Megatron-LM's interleaved schedule runs ``2 (p - rank - 1) + (v - 1) p`` warm-up forwards of model chunks (all
+    ``v m`` of them when m = p), then one more forward before its first backward; a chunk holds 1/v of the stage's
+    layers, so the peak is ``min(2 (p - rank - 1) + (v - 1) p + 1, v m) / v`` stage micro-batches. On the first rank
+    that is ``p + (p - 1) / v`` (Korthikanti et al. 2022, section 4.2: "p (1 + (p - 1) / (p v))"), more than 1F1B's p.
+    """
+    _validate(p, m)
+    if v < 1 or not 0 <= rank < p:
+        raise ValueError(f"need v >= 1 model chunks and 0 <= rank < p; got v={v}, rank={rank}, p={p}")
+    warmup = v * m if m == p else 2 * (p - rank - 1) + (v - 1) * p
+    return min(warmup + 1, v * m) / v
+
+
+def p2p_messages_per_microbatch(p: int, v: int = 1) -> int:
+    """Point-to-point messages one micro-batch causes in a step: it crosses ``v p - 1`` chunk boundaries forward
+    (activations) and as many backward (their gradients); 1F1B and ZB-H1 are v = 1: ``2 (p - 1)``."""
+    if p < 1 or v < 1:
+        raise ValueError(f"need p >= 1 stages and v >= 1 chunks; got p={p}, v={v}")
+    return 2 * (v * p - 1)
+
+
+def peak_microbatches_in_flight(schedule: str, p: int, m: int, rank: int = 0, v: int = 1) -> float:
+    """Micro-batches (of a whole stage) whose activations rank `rank` holds at its peak: m (GPipe),
+    min(p - rank, m) (1F1B, and ZB-H1, which defers only W and so keeps 1F1B's memory),
+    `interleaved_in_flight` (interleaved 1F1B with v chunks)."""
     _validate(p, m)
     if schedule == "gpipe":
         return m
-    if schedule == "1f1b":
+    if schedule in ("1f1b", "zb-h1"):
         return min(p - rank, m)
-    raise ValueError(f"unknown schedule {schedule!r}: pick 'gpipe' or '1f1b'")
+    if schedule == "interleaved":
+        return interleaved_in_flight(p, v, m, rank)
+    raise ValueError(f"unknown schedule {schedule!r}: pick 'gpipe', '1f1b', 'interleaved' or 'zb-h1'")
