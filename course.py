@@ -144,6 +144,11 @@ def main(argv: list[str]) -> int:
         return run_tests(rest, browser)
     if command == "install":
         return 0
+    if command == "lab" and os.name == "posix":
+        # Become `course lab`: Ctrl-C and SIGTERM reach it (and the JupyterLab it runs) as they would directly,
+        # instead of this process killing it with the server's kernels still running.
+        os.chdir(ROOT)
+        os.execv(BIN / "course", [str(BIN / "course"), command, *rest])
     return subprocess.call([str(BIN / "course"), command, *rest], cwd=ROOT)
 
 

@@ -1,6 +1,7 @@
 """``course lab-report``: the instructor's lab in one command (issue 18).
 
     course lab-report [--lessons 00,02-05] [--quick] [--out DIR]    run the course here, write DIR/index.html
+    course lab-report --gpus 2,3                                     the same on GPUs 2,3 only (CUDA_VISIBLE_DEVICES)
     course lab-report --compare A B [--out DIR]                      two reports side by side
 
 It runs `course gpu-check` first (the node's self-test), then each selected lesson top to bottom in a fresh
@@ -420,11 +421,31 @@ def main(args) -> int:
     except ValueError as exc:
         print(f"course lab-report: {exc}", file=sys.stderr)
         return 2
+    if args.gpus is not None:
+        env = _restrict_gpus(args.gpus)
+        if env is None:
+            return 2
+        os.environ.update(env)        # before CUDA starts here: the self-test, the kernels and their ranks see them
     report = run_report(keys, found, out, quick=args.quick, gpu_check=not args.no_gpu_check,
                         cell_timeout=args.cell_timeout)
     print(summary(report))
     print(f"written: {out / 'index.html'} (open it in a browser) and {out / 'report.json'}")
     return report["exit_code"]
+
+
+def _restrict_gpus(spec: str) -> dict[str, str] | None:
+    """``--gpus 2,3``: the environment that shows this report only those GPUs (`course_lib.gpus`), said in one
+    line; None, after a one-line error, when the machine has no such GPU."""
+    from course_lib import gpus
+
+    try:
+        ids = gpus.parse_gpus(spec, gpus.machine_gpus())
+    except gpus.GpuSelectionError as exc:
+        print(f"course lab-report: {exc}", file=sys.stderr)
+        return None
+    env = gpus.visible_devices_env(ids)
+    print(f"course lab-report: {gpus.describe(ids, env)}", flush=True)
+    return env
 
 
 def add_parser(sub) -> None:
@@ -435,6 +456,8 @@ def add_parser(sub) -> None:
     p.add_argument("--folder", default="notebooks", help="where the lessons are (default: notebooks)")
     p.add_argument("--cell-timeout", type=float, default=600, help="seconds per cell (default 600)")
     p.add_argument("--no-gpu-check", action="store_true", help="skip the node's self-test (course gpu-check)")
+    p.add_argument("--gpus", default=None, help="check only these GPUs, e.g. 2,3 or 0-3 (CUDA_VISIBLE_DEVICES), "
+                   "while learners use the others")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two reports (folders or report.json)")
     p.set_defaults(func=main)
 
