@@ -111,3 +111,33 @@ def test_training_step_helpers_match_the_formulas():
     assert step["step_flops"] == flops.flops_per_token(cfg) * 2 * cfg.seq_len
     assert step["mfu"] == pytest.approx(step["step_flops"] / step["seconds"] / step["peak"])
     assert step["mfu"] > 0   # no bound on the value: timings on a shared machine are noisy
+
+
+def test_counted_flops_splits_matmuls_and_attention():
+    from course_lib.config import get_preset
+    from course_lib.model import build_model
+    cfg = get_preset("tiny")
+    c = bottleneck_lab.counted_flops(cfg)
+    assert c["total"] == flops.flops_per_token(cfg)                          # 786,432, exact
+    assert c["attention"] == flops.attention_flops_per_token(cfg)           # 12 * 2 * 64 * 64 = 98,304
+    assert c["matmul"] == 6 * flops.matmul_params(cfg)
+    model, idx = build_model(cfg), torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
+    stock = measure.count_flops(lambda: model.loss(idx, idx).backward(), model_flops=False) / idx.numel()
+    assert stock == c["matmul"]               # the stock counter has no formula for the CPU attention kernel
+
+
+def test_flop_counter_counts_causal_attention_as_the_full_matrix():
+    att = bottleneck_lab.causal_attention_flops(batch=1, heads=2, seq_len=32, head_dim=8)
+    full = 3 * 2 * 2 * 1 * 2 * 32 ** 2 * 8                                    # 3 x (QK^T + PV) = 98,304
+    assert att["formula_full"] == full and att["formula_causal"] == full / 2
+    assert att["math_full"] == att["math_causal"] == full                    # computed in full, then masked
+    assert att["kernel_full"] == att["kernel_causal"] == full    # torch: "NB: ... not accounting for causal"
+
+
+def test_flops_conventions_table():
+    rows = bottleneck_report.flops_conventions_rows(["tiny", "llama3-405b"], counted={"tiny": 786_432.0})
+    assert rows[0]["course (6N + 12LTd)"] == rows[0]["FlopCounterMode"] == 786_432
+    assert rows[1]["FlopCounterMode"] != rows[1]["FlopCounterMode"]          # NaN: not measured
+    text = bottleneck_report.flops_conventions_table(rows)
+    assert "torchtitan before #3225" in text and "tiny (MFLOP)" in text and "llama3-405b (GFLOP)" in text
+    assert "  0.79 ( +0.0%)" in text and "-0.0%" not in text

@@ -118,3 +118,80 @@ def test_collective_time_and_fit_recovers_alpha_beta():
     assert comm.collective_time("all_reduce", 1e6, 4, alpha, bw) == pytest.approx(6 * alpha + 1.5e6 / bw)
     assert comm.collective_time("all_gather", 1e6, 1, alpha, bw) == 0
     assert comm.fit_alpha_beta([1e3, 1e6], [2e-3, 1e-3]) == (1.5e-3, float("inf"))  # no size trend
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs per token by convention (lesson 01, section 1.5): hand computations on the tiny preset
+# (l = 2, h = d = 64, s = 64, V = 256, 4 heads of 16, d_ff = 256, tied head, biases, learned positions)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_megatron_formula_by_hand_equals_course_formula_on_a_gpt_block():
+    cfg = get_preset("tiny")
+    # 72 l h^2 (1 + s/(6h) + V/(12 l h)) = 72*2*4096 * (1 + 1/6 + 1/6) = 589,824 * 4/3
+    assert flops.megatron_flops_per_token(cfg) == pytest.approx(786_432, rel=1e-12)
+    # course: 6 * (2 * 12 * 64^2 + 64 * 256) + 12 * 2 * 64 * 64 = 688,128 + 98,304
+    assert flops.flops_per_token(cfg) == 786_432
+    # with full recomputation (the paper's 96 B s l h^2 (1 + s/(6h) + V/(16 l h))): 589,824*4/3 * (1 + 1/6 + 1/8)
+    assert flops.megatron_flops_per_token(cfg, recompute=True) == pytest.approx(1_015_808, rel=1e-12)
+    # the same by layers: 8 * 98,304 (layer weights) + 6 * 16,384 (head, not recomputed) + 16 * 2 * 64 * 64
+    assert flops.hardware_flops_per_token(cfg, recompute="full") == 1_015_808
+    # flash attention recomputes Q K^T in the backward: + 2 L T d = 2 * 2 * 64 * 64 = 16,384
+    assert flops.hardware_flops_per_token(cfg, recompute="attention") == 786_432 + 16_384
+    assert flops.hardware_flops_per_token(cfg) == flops.flops_per_token(cfg)
+    with pytest.raises(ValueError, match="recompute"):
+        flops.hardware_flops_per_token(cfg, recompute="selective")
+    # Llama 3 is not a GPT block (SwiGLU, d_ff = 3.25 h, 8 KV heads): the paper's formula is off there
+    llama = get_preset("llama3-405b")
+    assert flops.megatron_flops_per_token(llama) / flops.flops_per_token(llama) - 1 == pytest.approx(0.0097, abs=5e-4)
+
+
+def test_palm_and_torchtitan_formulas_by_hand():
+    cfg = get_preset("tiny")
+    # every parameter: per layer 2 norms (256) + attention (4*4096 + 4*64) + MLP (2*64*256 + 256 + 64) = 49,984;
+    # x2 layers, + final norm 128, + token table 16,384 (tied head) + position table 4,096 = 120,576
+    assert cfg.num_params() == sum(p.numel() for p in build_model(cfg).parameters()) == 120_576
+    attention = 12 * 2 * 4 * 16 * 64                                        # 12 L H Q T = 98,304
+    assert flops.palm_flops_per_token(cfg) == 6 * 120_576 + attention == 821_760
+    assert flops.torchtitan_flops_per_token(cfg) == 821_760                  # tied: every parameter, head included
+    # before torchtitan's PR #3225 the tied table was subtracted: 120,576 - 16,384 - 4,096 = 100,096
+    assert flops.torchtitan_flops_per_token(cfg, before_tying_fix=True) == 6 * 100_096 + attention
+    assert flops.flops_per_token(cfg, causal=True) == 786_432 - attention // 2
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_torchtitan_formula_follows_its_procedure_on_a_real_model(tie):
+    """torchtitan's get_dense_model_nparams_and_flops on the module: model.parameters() (a tied table once), minus
+    the nn.Embedding children unless tied; attention 6 * n_layers * n_heads * (2 * head_dim) * seq_len."""
+    from dataclasses import replace
+    cfg = replace(get_preset("tiny"), tie_embeddings=tie)
+    model = build_model(cfg)
+    nparams = sum(p.numel() for p in model.parameters())
+    emb = sum(sum(p.numel() for p in m.parameters()) for m in model.children() if isinstance(m, torch.nn.Embedding))
+    attention = 6 * cfg.n_layer * cfg.n_head * 2 * cfg.head_dim * cfg.seq_len
+    assert flops.torchtitan_flops_per_token(cfg) == 6 * (nparams if tie else nparams - emb) + attention
+    assert flops.torchtitan_flops_per_token(cfg, before_tying_fix=True) == 6 * (nparams - emb) + attention
+
+
+def test_flop_counter_agrees_with_course_and_megatron_and_not_with_the_others():
+    cfg = get_preset("tiny")
+    model = build_model(cfg)
+    idx, tgt = _batch(cfg, 2)
+    counted = count_flops(lambda: model.loss(idx, tgt).backward()) / idx.numel()
+    assert counted == flops.flops_per_token(cfg) == pytest.approx(flops.megatron_flops_per_token(cfg), rel=1e-12)
+    for wrong in ("Kaplan (causal half)", "PaLM (6N_all + 12LHQT)", "torchtitan", "torchtitan before #3225",
+                  "HFU, full recompute"):
+        assert flops.FLOP_CONVENTIONS[wrong](cfg) != pytest.approx(counted, rel=0.01), wrong
+
+
+def test_mfu_divides_by_the_dense_peak():
+    from course_lib.measure import GPU_SPECS
+    # NVIDIA H100 SXM datasheet: BF16 tensor core 1,979 TFLOPS "shown with sparsity", half without: 989.4 dense
+    assert GPU_SPECS["H100"].bf16_tflops == pytest.approx(1978.9 / 2, rel=1e-4)
+    gpt3 = get_preset("gpt3-175b")
+    f = flops.flops_per_token(gpt3)
+    assert f == pytest.approx(1.0764e12, rel=1e-4)
+    mfu = flops.mfu_from_throughput(370, f, GPU_SPECS["H100"].bf16_tflops * 1e12)
+    assert mfu == pytest.approx(370 * f / 989.4e12) == pytest.approx(0.4025, abs=1e-3)
+    # full recomputation raises the numerator by about a third: HFU, not MFU
+    assert flops.hardware_flops_per_token(gpt3, recompute="full") / f == pytest.approx(1.332, abs=1e-3)

@@ -21,6 +21,11 @@ residual adds, the loss and the optimizer step: O(d_model) per token each, a few
 
 Kaplan et al. 2020 (table 1) write 6N + 6 n_layer n_ctx d_attn: the same count with the causal half
 of the attention matrix skipped. ``causal=True`` gives that convention.
+
+The conventions of others, one function each (lesson 01, section 1.5; ``FLOP_CONVENTIONS`` names them all):
+:func:`palm_flops_per_token` (6N + 12 L H Q T, N every parameter), :func:`megatron_flops_per_token` (Narayanan et
+al. 2021, with or without the recomputation term), :func:`torchtitan_flops_per_token`; :func:`hardware_flops_per_token`
+counts what recomputation adds (HFU's numerator), and :func:`mfu_from_throughput` divides by the *dense* peak.
 """
 
 from __future__ import annotations
@@ -78,3 +83,135 @@ def step_flops(cfg: ModelConfig, batch_size: int, seq_len: int | None = None) ->
 def training_days(total_flops: float, n_gpus: int, peak_flops_per_gpu: float, mfu: float) -> float:
     """Wall-clock days to spend ``total_flops`` on ``n_gpus`` running at ``mfu`` of their peak."""
     return total_flops / (n_gpus * peak_flops_per_gpu * mfu) / 86400
+
+
+# ---------------------------------------------------------------------------------------------
+# The same quantity by the conventions the field uses (lesson 01, section 1.5; issue 30, section 4)
+# ---------------------------------------------------------------------------------------------
+# Four published formulas for "training FLOPs per token". They agree on 6 FLOPs per weight per token and on a full
+# (not causally halved) attention matrix; they differ in which weights N counts and in whether recomputation is
+# counted. Each function applies its source's formula, as its source writes it, to a course ModelConfig.
+
+
+def palm_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
+    """PaLM's model FLOPs per token (Chowdhery et al. 2022, arXiv 2204.02311, appendix B): 6 N + 12 L H Q T.
+
+    L layers, H heads, Q head dimension, T sequence length; ``N`` the model's parameter count. Here N is
+    ``cfg.num_params()``, every parameter, a tied table counted once: that is how the formula is used in practice,
+    e.g. nanoGPT's ``estimate_mfu`` (karpathy/nanoGPT, model.py), which cites the appendix:
+
+        # see PaLM paper Appendix B as ref: https://arxiv.org/abs/2204.02311
+        N = self.get_num_params()
+        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd//cfg.n_head, cfg.block_size
+        flops_per_token = 6*N + 12*L*H*Q*T
+
+    (nanoGPT's ``get_num_params`` leaves out the position table only.) Against :func:`flops_per_token` it adds 6 x
+    the weights that do no matmul: embedding tables (a tied table is the LM head, so it is counted once, correctly),
+    norms and biases. H * Q = d_model, so the attention term is the course's.
+    """
+    T = cfg.seq_len if seq_len is None else seq_len
+    return 6 * cfg.num_params() + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+
+
+def megatron_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, recompute: bool = False) -> float:
+    """Megatron-LM's FLOPs per token (Narayanan et al. 2021, arXiv 2104.04473, section 5.1 / appendix).
+
+    The paper counts, per iteration of batch B, sequence s, l layers, hidden size h, vocabulary V, *with* full
+    activation recomputation (forward, recomputed forward, backward = 4 forward passes of the layers):
+
+        F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))
+
+    Derivation (per layer, forward, per sequence): QKV 6 s h^2, scores Q K^T 2 s^2 h, P V 2 s^2 h, output projection
+    2 s h^2, MLP (4h) 16 s h^2: 24 s h^2 + 4 s^2 h. Times 4 passes = 96 s h^2 (1 + s / (6 h)); the LM head 2 s h V
+    runs forward + backward only (x3): 6 s h V = 96 s l h^2 * V / (16 l h). Without recomputation the layers run 3
+    passes: F = 72 B s l h^2 (1 + s / (6 h) + V / (12 l h)). Per token (divided by B s):
+
+        recompute=False:  72 l h^2 (1 + s/(6h) + V/(12 l h)) = 72 l h^2 + 12 l s h + 6 h V   (model FLOPs, MFU)
+        recompute=True:   96 l h^2 (1 + s/(6h) + V/(16 l h)) = 96 l h^2 + 16 l s h + 6 h V   (hardware FLOPs, HFU)
+
+    The paper's formula assumes a GPT block: d_ff = 4 h, full multi-head attention, GELU (2 MLP matrices). On such a
+    model ``recompute=False`` equals :func:`flops_per_token` exactly; on SwiGLU / grouped-query models (Llama) it
+    does not (Megatron's code, ``num_floating_point_operations``, generalises it). The paper's "achieved TFLOP/s"
+    (its Table 1) use ``recompute=True``: hardware FLOPs, not model FLOPs.
+    """
+    s = cfg.seq_len if seq_len is None else seq_len
+    l, h, V = cfg.n_layer, cfg.d_model, cfg.vocab_size
+    if recompute:
+        return 96 * l * h ** 2 * (1 + s / (6 * h) + V / (16 * l * h))
+    return 72 * l * h ** 2 * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def torchtitan_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, before_tying_fix: bool = False) -> float:
+    """torchtitan's FLOPs per token (pytorch/torchtitan, ``torchtitan/models/utils.py``,
+    ``get_dense_model_nparams_and_flops``, read at commit b5bcd76c, 2026-08-21):
+
+        nparams = sum(p.numel() for p in model.parameters())
+        nparams_embedding = sum(... for m in model.children() if isinstance(m, nn.Embedding))
+        # 4. we follow the convention and do not account for sparsity in causal attention
+        nparams_for_matmul = nparams if enable_weight_tying else nparams - nparams_embedding
+        num_flops_per_token = (
+            6 * nparams_for_matmul + 6 * n_layers * n_heads * head_dims * seq_len
+        )
+
+    with ``head_dims = 2 * (dim // n_heads)`` for Llama 3 (``models/llama3/model.py``), i.e. 6 N + 12 L d T. N is
+    every parameter (``model.parameters()`` yields a tied table once) minus the ``nn.Embedding`` children when the
+    head is untied: norms (and biases) stay in, the LM head stays in. Before PR #3225 ("Fix weight tying parameter
+    accounting", 2026-05-08) the embedding was subtracted even when tied, which dropped the tied LM head's matmul
+    from the count: ``before_tying_fix=True`` gives that older count. On a course GPT the ``nn.Embedding`` children are
+    the token and the learned position table, which is what ``cfg.num_params(include_embeddings=False)`` leaves out.
+    """
+    T = cfg.seq_len if seq_len is None else seq_len
+    keep_all = cfg.tie_embeddings and not before_tying_fix
+    n = cfg.num_params() if keep_all else cfg.num_params(include_embeddings=False)
+    return 6 * n + 6 * cfg.n_layer * cfg.n_head * (2 * cfg.head_dim) * T
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, recompute: str = "none") -> float:
+    """FLOPs the hardware executes per token (the numerator of HFU), by what is recomputed in the backward:
+
+    - ``"none"``: the model FLOPs, :func:`flops_per_token` (HFU = MFU);
+    - ``"attention"``: a flash-attention backward recomputes ``Q K^T`` (one more of its two forward matmuls:
+      attention 12 -> 14 L T d); this is what the stock ``FlopCounterMode`` counts for the flash/efficient kernels
+      (5 matmuls in the backward, ``sdpa_backward_flop_count``);
+    - ``"full"``: full activation checkpointing reruns every layer's forward (8 N_layers + 16 L T d; the LM head is
+      not recomputed), Megatron's 96 B s l h^2 (...) generalised to any block (:func:`megatron_flops_per_token`).
+    """
+    T = cfg.seq_len if seq_len is None else seq_len
+    head = cfg.d_model * cfg.vocab_size
+    layers = matmul_params(cfg) - head
+    attn = attention_flops_per_token(cfg, T)                     # 12 L T d: forward 4, backward 8
+    if recompute == "none":
+        return 6 * (layers + head) + attn
+    if recompute == "attention":
+        return 6 * (layers + head) + attn * 14 / 12
+    if recompute == "full":
+        return 8 * layers + 6 * head + attn * 16 / 12
+    raise ValueError(f"recompute={recompute!r}: pick 'none', 'attention' or 'full'")
+
+
+def mfu_from_throughput(tokens_per_s_per_gpu: float, flops_per_token_: float, peak_flops_per_s: float) -> float:
+    """MFU (PaLM, appendix B) from a throughput: tokens/s per GPU x model FLOPs per token / the GPU's dense peak.
+
+    ``peak_flops_per_s`` must be the *dense* peak of the dtype the matmuls run in (H100 SXM bf16: 989.4e12,
+    ``measure.GPU_SPECS["H100"]``), not the datasheet's headline 1,979e12, which assumes 2:4 structured sparsity
+    (NVIDIA's H100 table marks it "* Shown with sparsity. Specifications 1/2 lower without sparsity"). torchtitan
+    divides by the same number (``torchtitan/tools/utils.py``, ``get_peak_flops``):
+
+        # NOTE: Specifications are one-half lower without sparsity.
+        ...
+        else:  # for H100 SXM and other variants
+            return 989e12
+    """
+    return tokens_per_s_per_gpu * flops_per_token_ / peak_flops_per_s
+
+
+FLOP_CONVENTIONS = {
+    "course (6N + 12LTd)": flops_per_token,
+    "Kaplan (causal half)": lambda cfg: flops_per_token(cfg, causal=True),
+    "PaLM (6N_all + 12LHQT)": palm_flops_per_token,
+    "Megatron (no recompute)": megatron_flops_per_token,
+    "torchtitan": torchtitan_flops_per_token,
+    "torchtitan before #3225": lambda cfg: torchtitan_flops_per_token(cfg, before_tying_fix=True),
+    "HFU, full recompute": lambda cfg: hardware_flops_per_token(cfg, recompute="full"),
+}
+"""Name -> training FLOPs per token of a config, one entry per convention (lesson 01's table)."""

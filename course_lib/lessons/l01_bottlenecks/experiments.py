@@ -406,3 +406,58 @@ def training_memory(cfg, batch_size: int, device=None) -> dict:
     else:
         out.update(rss=measure.rss_bytes())
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs per token: what FlopCounterMode counts (section 1.5)
+# ---------------------------------------------------------------------------------------------
+
+
+def counted_flops(cfg, batch: int = 1, seed: int = 0) -> dict:
+    """FLOPs per token of one real forward + backward of the course GPT on the CPU, counted by
+    ``torch.utils.flop_counter.FlopCounterMode`` with :func:`measure.flop_counter_mapping` (the CPU attention kernel
+    counted, its backward 2 x forward): ``total``, and its ``matmul`` (mm/addmm/bmm: projections, MLP, LM head) and
+    ``attention`` (the SDPA kernels) parts. (The stock counter, ``measure.count_flops(..., model_flops=False)``,
+    has no formula for the CPU attention kernel: on a CPU it counts ``matmul`` only.)
+
+    FlopCounterMode counts only ops it has a formula for: matmuls (2 m k n), convolutions and SDPA (Q K^T and P V
+    over the full s x s matrix: torch's ``sdpa_flop`` says "NB: We aren't accounting for causal attention here").
+    Softmax, norms, GELU, the loss and the optimizer are not counted.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+    with FlopCounterMode(display=False, custom_mapping=measure.flop_counter_mapping()) as counter:
+        model.loss(idx, idx).backward()
+    by_op = counter.get_flop_counts()["Global"]
+    attention = sum(v for op, v in by_op.items() if "attention" in str(op))
+    total = counter.get_total_flops()
+    n = idx.numel()
+    return {"total": total / n, "matmul": (total - attention) / n, "attention": attention / n,
+            "preset": cfg.name, "tokens": n, "hardware": measure.hardware_label(device="cpu")}
+
+
+def causal_attention_flops(batch: int = 2, heads: int = 4, seq_len: int = 64, head_dim: int = 16) -> dict:
+    """FlopCounterMode's count of one attention forward + backward with and without the causal mask.
+
+    ``math``: PyTorch's reference path (``SDPBackend.MATH``), which really multiplies the full s x s matrix and
+    masks it, counted by the stock counter from its bmm ops; ``kernel``: the fused CPU kernel, counted with the
+    course's mapping (the SDPA formula). Both count the causal case as the full matrix; ``formula_full`` and
+    ``formula_causal`` are 2 x 2 x b h s^2 d x 3 (forward + backward) and half of it.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    out = {}
+    for causal in (False, True):
+        for path in ("math", "kernel"):
+            q, k, v = (torch.randn(batch, heads, seq_len, head_dim, requires_grad=True) for _ in range(3))
+            mapping = measure.flop_counter_mapping() if path == "kernel" else None
+            backend = SDPBackend.MATH if path == "math" else SDPBackend.FLASH_ATTENTION
+            with sdpa_kernel(backend), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+            out[(path, causal)] = counter.get_total_flops()
+    full = 3 * 2 * 2 * batch * heads * seq_len ** 2 * head_dim
+    return {"math_full": out[("math", False)], "math_causal": out[("math", True)],
+            "kernel_full": out[("kernel", False)], "kernel_causal": out[("kernel", True)],
+            "formula_full": full, "formula_causal": full / 2}

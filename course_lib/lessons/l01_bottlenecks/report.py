@@ -256,3 +256,39 @@ def bottleneck_widget():
         c.observe(update, names="value")
     update()
     return w.VBox([w.HBox([preset, gpu]), cluster, w.HBox([mb, mfu_s]), out])
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs per token by convention (section 1.5)
+# ---------------------------------------------------------------------------------------------
+
+
+def flops_conventions_rows(presets: list[str], counted: dict[str, float] | None = None) -> list[dict]:
+    """One row per preset: training FLOPs per token by every convention of ``theory.flops.FLOP_CONVENTIONS``,
+    plus ``FlopCounterMode`` where ``counted`` has the preset (per token, from ``experiments.counted_flops``)."""
+    counted = counted or {}
+    rows = []
+    for name in presets:
+        cfg = get_preset(name)
+        row = {"preset": name, "tied head": cfg.tie_embeddings}
+        row.update({conv: fn(cfg) for conv, fn in flops.FLOP_CONVENTIONS.items()})
+        row["FlopCounterMode"] = counted.get(name, float("nan"))
+        rows.append(row)
+    return rows
+
+
+def flops_conventions_table(rows: list[dict]) -> str:
+    """The rows of :func:`flops_conventions_rows` as text, a column per preset: training FLOPs per token (MFLOP
+    below 1 GFLOP, else GFLOP) and the difference from the course's formula; ``-`` where nothing was measured."""
+    base_key = next(iter(flops.FLOP_CONVENTIONS))
+    scales = [(1e9, "GFLOP") if r[base_key] > 1e9 else (1e6, "MFLOP") for r in rows]
+    head = f"{'FLOPs per token':26}" + "".join(f"{r['preset'] + ' (' + u + ')':>24}" for r, (_, u) in zip(rows, scales))
+    lines = [head, f"{'':26}" + "".join(f"{'head ' + ('tied' if r['tied head'] else 'untied'):>24}" for r in rows)]
+    for c in list(flops.FLOP_CONVENTIONS) + ["FlopCounterMode"]:
+        cells = []
+        for r, (scale, _) in zip(rows, scales):
+            v = r[c]
+            diff = round(v / r[base_key] - 1, 4) + 0.0                 # + 0.0: no "-0.0 %"
+            cells.append(f"{'-':>24}" if v != v else f"{v / scale:>14,.2f} ({diff:+6.1%})")
+        lines.append(f"{c:26}" + "".join(cells))
+    return "\n".join(lines)
