@@ -4,6 +4,7 @@ the bubble, the stage that needs the most memory), and its choices checked for t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -14,9 +15,9 @@ from course_lib.measure import GPU_SPECS
 from course_lib.theory import comm
 from course_lib.theory.memory import zero_model_state_bytes
 from course_lib.theory import pipeline
-from course_lib.theory.planner import (NOT_MODELLED, Cluster, GiB, Layout, estimate, korthikanti_layer_bytes,
-                                       layer_activation_bytes, layer_params, link, model_state_bytes, plan,
-                                       position_params, stage_params)
+from course_lib.theory.planner import (NOT_MODELLED, Cluster, GiB, Layout, elementwise_bytes, estimate,
+                                       gemm_intensity, korthikanti_layer_bytes, layer_activation_bytes, layer_params,
+                                       link, model_state_bytes, plan, position_params, stage_params)
 
 A100, H100 = GPU_SPECS["A100"], GPU_SPECS["H100"]
 IB = Cluster("128 nodes x 8 A100, InfiniBand 200 Gb/s per GPU", 128, 8, 25.0)
@@ -203,3 +204,103 @@ def test_plan_lists_only_tp_that_divides_a_node_and_links_need_groups_inside_a_n
     assert link(IB, A100, 1, 8)[1] == nvlink and link(IB, A100, 2, 4)[1] == nvlink
     assert link(IB, A100, 1, 3)[1] == network and link(IB, A100, 2, 3)[1] == network
     assert link(IB, A100, 8, 2)[1] == network
+
+
+# ------------------------------------------------------------------------------- schedules and overlap (issue 30)
+
+GPT3 = get_preset("gpt3-175b")
+WIDE = Cluster("192 nodes x 8 A100", 192, 8, 25.0)
+
+
+def _gpt3(schedule="1f1b", v=1, overlap="none", ckpt="full", zero=1, batch=1536, **kw):
+    return estimate(GPT3, A100, WIDE, Layout(16, 8, 12, zero, ckpt, 1, schedule, v, overlap), batch, **kw)
+
+
+def test_schedules_change_bubble_memory_and_p2p_as_the_formulas_say():
+    """GPT-3 175B, dp 16 x tp 8 x pp 12, m = 96: interleaving divides the bubble by v (`pipeline`'s (p-1)/(v m)),
+    holds p + (p-1)/v micro-batches on the first stage instead of p, and sends 2v messages per micro-batch; ZB-H1
+    keeps 1F1B's memory and messages and idles (p-1)(t_F + t_B - t_W)."""
+    one, inter, zb = _gpt3(), _gpt3("interleaved", 2), _gpt3("zb-h1")
+    assert one.feasible and inter.feasible and zb.feasible
+    m, p = one.accum, 12
+    assert m == 96 and one.time["bubble"] == pytest.approx(one.time["compute"] * (p - 1) / m)
+    f = pipeline.interleaved_bubble_fraction(p, m, 2)
+    assert inter.time["bubble"] == pytest.approx(inter.time["compute"] * f / (1 - f))
+    assert inter.time["bubble"] == pytest.approx(one.time["bubble"] / 2)
+    # ZB-H1 with full recomputation: F 2, B 2 + 2 (the recomputed forward), W 2 of 8 parts of a micro-batch
+    c = one.time["compute"] / m
+    assert zb.time["bubble"] == pytest.approx(pipeline.zero_bubble_idle_time(p, c / 4, c / 2, c / 4))
+    assert zb.time["bubble"] == pytest.approx(one.time["bubble"] / 2)
+    assert zb.memory["total"] == one.memory["total"] and zb.p2p_messages == one.p2p_messages == 2
+    assert one.in_flight == pipeline.peak_microbatches_in_flight("1f1b", p, m) == 12
+    assert inter.in_flight == pytest.approx(pipeline.interleaved_in_flight(p, 2, m)) == pytest.approx(12 + 11 / 2)
+    layer_input = 2 * GPT3.seq_len * GPT3.d_model / 8                 # full recomputation keeps 2sbh/t per layer
+    extra = (inter.in_flight - one.in_flight) * 8 * layer_input     # 8 layers per stage
+    assert inter.memory["activations"] - one.memory["activations"] == pytest.approx(extra, rel=1e-6)
+    assert inter.p2p_messages == 4 and inter.p2p_bytes == pytest.approx(2 * one.p2p_bytes)
+    assert inter.time["pp"] == pytest.approx(2 * one.time["pp"])
+    # without recomputation F, B and W are equal: ZB-H1 idles a third of 1F1B
+    one_n, zb_n = _gpt3(ckpt="none", zero=0), _gpt3("zb-h1", ckpt="none", zero=0)
+    assert zb_n.time["bubble"] == pytest.approx(one_n.time["bubble"] / 3)
+
+
+def test_interleaving_refuses_what_megatron_refuses():
+    """v must divide the layers per stage (96 / pp 12 = 8), m must be a multiple of pp, v needs the interleaved
+    schedule, and interleaving needs a pipeline; each reason names the field and the fix."""
+    assert "v=3 does not divide the layers per stage" in _gpt3("interleaved", 3).why
+    assert "multiple of pp = 12" in _gpt3("interleaved", 2, batch=16 * 18).why              # m = 18
+    assert "need schedule='interleaved'" in _gpt3("1f1b", 2).why
+    flat = estimate(GPT3, A100, WIDE, Layout(192, 8, 1, 1, "full", 1, "interleaved", 2), 1536)
+    assert "interleaved needs pp >= 2" in flat.why
+    with pytest.raises(ValueError, match="schedule='gpipe'"):
+        _gpt3("gpipe")
+    with pytest.raises(ValueError, match="overlap='all'"):
+        _gpt3(overlap="all")
+    rows = plan(GPT3, A100, WIDE, 1536, zeros=(1,), ckpts=("full",), micro_batches=(1,),
+                schedules=("1f1b", "interleaved", "zb-h1"), vs=(2, 3))
+    inter = [r for r in rows if r.layout.schedule == "interleaved"]
+    assert inter and all(GPT3.n_layer % (r.layout.pp * r.layout.v) == 0 for r in inter)
+    assert all(r.layout.schedule == "1f1b" for r in rows if r.layout.pp == 1)
+
+
+def test_overlap_never_exceeds_the_no_overlap_bound():
+    """Overlap hides DP's buckets behind the backward (all but the last bucket, which holds at least the embedding)
+    and TP's collectives behind the matmuls; the step with overlap is never longer than the bound without."""
+    for zero in (0, 1, 3):
+        for ckpt in ("none", "full"):
+            base = _gpt3(zero=zero, ckpt=ckpt) if zero < 2 else estimate(
+                GPT3, A100, WIDE, Layout(192, 8, 1, 3, ckpt, 1), 1536)
+            for ov in ("dp", "dp+tp"):
+                lay = dataclasses.replace(base.layout, overlap=ov)
+                e = estimate(GPT3, A100, WIDE, lay, 1536)
+                assert e.time["total"] <= e.no_overlap_s + 1e-12
+                assert e.no_overlap_s == pytest.approx(base.time["total"])
+                assert e.exposed["dp"] <= e.time["dp"] and e.exposed["tp"] <= e.time["tp"]
+                assert e.exposed["pp"] == e.time["pp"]                 # p2p is not overlapped
+                if ov == "dp":
+                    assert e.exposed["tp"] == e.time["tp"]
+                else:
+                    assert e.exposed["tp"] >= e.time["tp"] / 8 - 1e-12  # one chunk of tp stays exposed
+        assert base.time["total"] == pytest.approx(base.no_overlap_s)   # no overlap: the bound itself
+    # the last bucket cannot hide: plain DDP of a small model on one node keeps at least the embedding's share
+    small = get_preset("gpt2-1.5b")
+    node = Cluster("1 x 8 A100", 1, 8, None)
+    e = estimate(small, A100, node, Layout(8, 1, 1, 0, "none", 1, overlap="dp"), 8)
+    share = 4 * small.vocab_size * small.d_model / (4 * stage_params(small, 1, 1))
+    assert e.exposed["dp"] >= share * e.time["dp"] - 1e-12 and e.exposed["dp"] < e.time["dp"]
+
+
+def test_memory_bound_kernels_follow_the_roofline():
+    """The elementwise kernels' time is their HBM bytes over the GPU's bandwidth; 'unfused' (2021's block, Korthikanti
+    et al.'s count without SP) moves more than 'fused'; every weight matmul of the published shapes sits above the
+    A100's ridge point, so the roofline gives them one efficiency."""
+    none, fused, unfused = (_gpt3(elementwise=k) for k in ("none", "fused", "unfused"))
+    assert none.time["memory_bound"] == 0 == none.time["optimizer"]
+    per_layer = elementwise_bytes(GPT3, 8, micro_batch=1, ckpt="full", kernels="unfused")
+    assert per_layer == pytest.approx(5 * korthikanti_layer_bytes(GPT3, 8, sequence_parallel=False))
+    assert unfused.time["memory_bound"] == pytest.approx(8 * 96 * per_layer / (A100.mem_bw_gbs * 1e9))
+    assert unfused.time["memory_bound"] > fused.time["memory_bound"] > 0
+    assert fused.time["optimizer"] == pytest.approx(2 * fused.memory["model_states"] / (A100.mem_bw_gbs * 1e9))
+    ridge = A100.bf16_tflops * 1e12 / (A100.mem_bw_gbs * 1e9)
+    assert gemm_intensity(GPT3, 8) > 3 * ridge
+    assert unfused.memory["activations"] > none.memory["activations"]          # no SP in 2021: 2sbh per layer

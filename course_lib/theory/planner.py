@@ -3,10 +3,11 @@
     rows = plan(get_preset("gpt3-175b"), GPU_SPECS["A100"], Cluster("128 x 8 A100", 128, 8, 25.0), global_batch=1536)
     best = [r for r in rows if r.feasible][:5]
 
-A layout is (dp, tp, pp, ZeRO stage, activation checkpointing, micro-batch); dp x tp x pp = the cluster's GPUs,
+A layout is (dp, tp, pp, ZeRO stage, activation checkpointing, micro-batch, pipeline schedule with its v, overlap);
+dp x tp x pp = the cluster's GPUs,
 ranks ordered as `course_lib.dist.ProcessGrid` orders them (TP innermost, then DP, then PP), so a dimension's group
 stays inside a node when ``stride x size`` divides ``gpus_per_node`` (`link`). For each layout, by formula (mixed
-precision bf16 with Adam, Megatron-style TP with sequence parallelism, 1F1B pipeline):
+precision bf16 with Adam, Megatron-style TP with sequence parallelism, the layout's pipeline schedule):
 
 - **memory per GPU**, in GiB (2^30 bytes: an "80 GB" A100 or H100 holds 80 GiB, `GiB`), of the stage that needs
   the most (the first or the last; `Estimate.memory_stage`), not the sum of maxima of different stages:
@@ -17,30 +18,51 @@ precision bf16 with Adam, Megatron-style TP with sequence parallelism, 1F1B pipe
   et al. (2022) do, for what today's blocks keep (`layer_activation_bytes`: fused attention, GELU or SwiGLU, GQA,
   LayerNorm or RMSNorm; GPT-3 175B at t = 8: ``4.0 sbh`` where the paper's ``sbh (34/t + 5as/(ht))`` gives
   ``14.25 sbh``, `korthikanti_layer_bytes`), ``2sbh/t`` per layer held with full recomputation plus one layer's
-  activations while it is recomputed, for the micro-batches 1F1B keeps in flight on the stage (``min(pp, m)`` on the
-  first, 1 on the last); the last stage's logits (bf16 + their fp32 log-softmax, ``b s V / t``); with ZeRO-3, two
-  layers' gathered 16-bit parameters (the one in use, the one prefetched); a reserve for the CUDA context, NCCL's
-  buffers and fragmentation (``reserve_gib``, an assumption).
+  activations while it is recomputed, for the micro-batches the schedule keeps in flight on the stage
+  (`pipeline.peak_microbatches_in_flight`: 1F1B and ZB-H1 ``min(pp, m)`` on the first, 1 on the last; interleaved
+  1F1B ``p + (p - 1)/v`` on the first); the last stage's logits (bf16 + their fp32 log-softmax, ``b s V / t``);
+  with ZeRO-3, two layers' gathered 16-bit parameters (the one in use, the one prefetched); a reserve for the CUDA
+  context, NCCL's buffers and fragmentation (``reserve_gib``, an assumption).
 - **step time**: compute = the FLOPs the GPUs execute (model FLOPs x the recomputation factor: 8/6 with full
   recomputation, since the recomputed forward adds 2 FLOPs per parameter per token to the 6 of forward + backward)
-  / (GPUs x peak x ``kernel_efficiency``, assumed). That efficiency is a *hardware* FLOPs utilisation (HFU: executed
-  FLOPs over peak), not the model FLOPs utilisation (MFU: model FLOPs only, recomputation left out), which
-  `Estimate.mfu` reports for the whole step. Then the 1F1B bubble, ``(pp - 1) / m`` of the compute (Narayanan et
-  al. 2021's bubble time over ideal time, `pipeline.bubble_ratio`), which is ``(pp - 1) / (m + pp - 1)`` of compute
-  + bubble (``x / (1 + x)`` with ``x = (pp - 1) / m``: lesson 03's `pipeline.bubble_fraction`); TP's 4
-  all-reduce-sized collectives per layer per micro-batch of ``b s h`` bf16 (6 with full recomputation); PP's two
-  activation messages per micro-batch; DP: ZeRO-0 all-reduces the gradients (``grad_bytes`` each), ZeRO-1/2
-  reduce-scatter them and all-gather the bf16 parameters, ZeRO-3 all-gathers the parameters in forward and in
-  backward and reduce-scatters the gradients for every micro-batch; all on the alpha-beta model of lesson 01. No
-  overlap of communication with compute: the estimate is an upper bound, and ranks layouts by what they must move.
+  / (GPUs x peak x ``kernel_efficiency``). That efficiency is the fraction of peak the *matmuls* reach, a hardware
+  FLOPs utilisation (HFU: executed FLOPs over peak), not the model FLOPs utilisation (MFU: model FLOPs only,
+  recomputation left out), which `Estimate.mfu` reports for the whole step; the default 0.4 is an assumption,
+  `lessons.l08_three_d.published.calibrate` sets it from one published run. With ``elementwise="fused"`` or
+  ``"unfused"`` the memory-bound kernels (norms, activation functions, softmax, dropout, residual adds) and the
+  optimizer step add their HBM bytes / the GPU's memory bandwidth (`elementwise_bytes`: a roofline; the weight
+  matmuls of the published shapes lie above the ridge point, `gemm_intensity`, so one efficiency prices them all).
+  The bubble, per schedule, from lesson 03's formulas (`theory.pipeline`): 1F1B ``(pp - 1) / m`` of the busy time
+  (Narayanan et al. 2021's bubble time over ideal time, `pipeline.bubble_ratio`; ``(pp - 1) / (m + pp - 1)`` of the
+  step, `pipeline.bubble_fraction`), interleaved 1F1B with v chunks per rank ``(pp - 1) / (v m)``
+  (`pipeline.interleaved_bubble_fraction`; Megatron-LM's rules: pp x v divides the layers, m a multiple of pp), ZB-H1
+  (Qi et al. 2023) ``(pp - 1)(t_F + t_B - t_W)`` with the micro-batch's F, B (input gradient, plus the recomputed
+  forward) and W (weight gradient) in the ratio of their FLOPs (`pipeline.zero_bubble_idle_time`: a third of 1F1B's
+  without recomputation). TP's 4 all-reduce-sized collectives per layer per micro-batch of ``b s h`` bf16 (6 with
+  full recomputation); PP's ``2 v`` activation messages per micro-batch on a rank
+  (`pipeline.p2p_messages_per_microbatch`);
+  DP: ZeRO-0 all-reduces the gradients (``grad_bytes`` each), ZeRO-1/2 reduce-scatter them and all-gather the bf16
+  parameters, ZeRO-3 all-gathers the parameters in forward and in backward and reduce-scatters the gradients for
+  every micro-batch; all on the alpha-beta model of lesson 01.
+- **overlap** (``layout.overlap``), a stated rule: ``"none"`` exposes every collective (the step is then the upper
+  bound, `Estimate.no_overlap_s`, which is kept beside ``time["total"]`` in every case); ``"dp"``: DDP's buckets and
+  ZeRO-1/2's reduce-scatter hide behind the last micro-batch's backward, ZeRO-1/2's parameter all-gather behind the
+  next forward (Megatron-LM's ``--overlap-grad-reduce --overlap-param-gather``), ZeRO-3's gathers behind the same
+  micro-batch's forward and backward layer by layer; what cannot hide is ``max(t - compute behind it, last part)``,
+  the last part being the last bucket (at least the token embedding's gradient, complete only when the backward
+  reaches the first layer; 25 MiB, DDP's ``bucket_cap_mb``, otherwise) or ZeRO-3's first layer; ``"dp+tp"``: also
+  TP's collectives behind the matmuls (Megatron-Core's ``--tp-comm-overlap``, PyTorch's async TP), all but one
+  chunk in tp. Pipeline messages are never overlapped. `Estimate.exposed` holds what is left of each.
 
 Infeasible layouts come with the reason (memory, divisibility). A pipeline with ZeRO-2/3 is **not modelled**
 (`Estimate.not_modelled`): DeepSpeed and Megatron-LM refuse it (gradients are accumulated over micro-batches),
 but torchtitan composes FSDP2 with its pipeline and Llama 3 ran FSDP inside its pipeline; the planner has no
 schedule for its per-micro-batch gathers. What it leaves out, so that a published layout may rank lower than the
-paper's: overlap of DP and PP communication with compute (and of TP's, which Megatron-Core's
-``--tp-comm-overlap`` and PyTorch's async TP now do), interleaved schedules, kernel efficiency that changes with the
-matmul sizes (TP makes them smaller), and the memory allocator's behaviour.
+paper's (and its step time may err; `benchmarks/bench_planner.py` holds it against 14 published runs): uneven
+stages (the first holds the embedding, the last the head and the loss; Llama 3 took a layer off each), overlap of
+pipeline messages and Megatron-LM's scatter/gather of them, ZB-H2 and ZBV, a matmul efficiency that changes with
+shapes below the ridge point, Float8, the cross-entropy's memory traffic, stragglers and the memory allocator. The
+defaults (1F1B, no overlap, ``elementwise="none"``) are lesson 08's first planner, which its exercises reproduce.
 """
 
 from __future__ import annotations
@@ -49,16 +71,22 @@ import dataclasses
 import math
 
 from course_lib.config import ModelConfig
-from course_lib.theory import comm, flops
+from course_lib.theory import comm, flops, pipeline
 from course_lib.reference import reference_for
 
 __all__ = ["Cluster", "Layout", "Estimate", "estimate", "plan", "link", "layer_params", "position_params",
            "stage_params", "model_state_bytes", "layer_activation_bytes", "korthikanti_layer_bytes",
-           "activation_bytes_per_gpu", "CKPT", "GiB", "NOT_MODELLED"]
+           "activation_bytes_per_gpu", "CKPT", "GiB", "NOT_MODELLED", "SCHEDULES", "OVERLAPS", "ELEMENTWISE",
+           "DDP_BUCKET_BYTES", "TRAFFIC_PASSES", "elementwise_bytes", "gemm_intensity"]
 
 CKPT = ("none", "selective", "full")
 GiB = 2 ** 30           # GPU memory: an "80 GB" A100 holds 80 GiB (nvidia-smi: 81,920 MiB), not 80 x 10^9 bytes
 NOT_MODELLED = "not modelled (DeepSpeed and Megatron refuse it; torchtitan does it)"
+SCHEDULES = ("1f1b", "interleaved", "zb-h1")     # pipeline schedules (lesson 03; `theory.pipeline`)
+OVERLAPS = ("none", "dp", "dp+tp")              # what communication hides behind compute (`estimate`)
+ELEMENTWISE = ("none", "fused", "unfused")      # the memory-bound kernels' HBM traffic (`elementwise_bytes`)
+DDP_BUCKET_BYTES = 25 * 2 ** 20                 # PyTorch DDP's bucket_cap_mb=25: the last bucket cannot hide
+TRAFFIC_PASSES = {"none": 4, "selective": 4, "full": 5}   # HBM passes over what a layer keeps (`elementwise_bytes`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +115,16 @@ class Layout:
     zero: int = 1
     ckpt: str = "none"
     micro_batch: int = 1
+    schedule: str = "1f1b"              # "1f1b", "interleaved" (v model chunks per rank) or "zb-h1"
+    v: int = 1                          # model chunks per rank (interleaved only; 1 otherwise)
+    overlap: str = "none"               # "none", "dp" (DP/ZeRO buckets), "dp+tp" (also TP: --tp-comm-overlap)
 
     def label(self) -> str:
-        return (f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero} ckpt={self.ckpt} "
-                f"mb{self.micro_batch}")
+        """``dp16 tp8 pp12 zero0 ckpt=full mb1``, then the schedule and overlap where they are not the defaults."""
+        out = f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero} ckpt={self.ckpt} mb{self.micro_batch}"
+        if self.schedule != "1f1b":
+            out += f" {self.schedule}" + (f" v{self.v}" if self.schedule == "interleaved" else "")
+        return out + (f" overlap={self.overlap}" if self.overlap != "none" else "")
 
 
 @dataclasses.dataclass
@@ -107,6 +141,16 @@ class Estimate:
     hfu: float = 0.0                   # executed FLOPs (recomputation included) / (GPUs x peak x step time)
     memory_stage: str = "first"        # the stage whose memory is reported: "first", "last" or "only" (pp = 1)
     not_modelled: str = ""             # a layout the planner has no schedule for (pipeline with ZeRO-2/3)
+    exposed: dict = dataclasses.field(default_factory=dict)   # tp, pp, dp: seconds left after overlap
+    in_flight: float = 1.0             # micro-batches (of a whole stage) the first stage holds at its peak
+    p2p_messages: int = 0              # point-to-point messages per micro-batch on the busiest rank
+    p2p_bytes: float = 0.0             # bytes a rank sends to its pipeline neighbours per step
+
+    @property
+    def no_overlap_s(self) -> float:
+        """The step time if no communication hid behind compute: the upper bound beside ``time["total"]``."""
+        t = self.time
+        return t["total"] - sum(self.exposed.values()) + t["tp"] + t["pp"] + t["dp"]
 
     @property
     def feasible(self) -> bool:
@@ -232,7 +276,7 @@ def korthikanti_layer_bytes(cfg: ModelConfig, tp: int, seq_len: int | None = Non
 
 
 def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_len: int | None = None,
-                             stage: str = "first") -> int:
+                             stage: str = "first", block: str = "today") -> int:
     """Activations of a pipeline stage, bytes per GPU: the first (``stage="first"``, it holds the most
     micro-batches) or the last (``"last"``, one micro-batch in flight).
 
@@ -243,23 +287,80 @@ def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_l
     selective recomputation frees only the kernel's fp32 log-sum-exp (``4asb/t`` bytes, 0.004 sbh for GPT-3 at t = 8,
     0.1 % of the layer's 4.0 sbh) and pays for recomputing the attention core: kept in the table to show that it saves
     almost nothing once attention is fused. ``ckpt="full"`` keeps each layer's input, ``2sbh/t``, plus one layer's
-    activations while it is recomputed. 1F1B's first stage holds ``min(pp, m)`` micro-batches of ceil(L/pp)
-    layers, its last stage one.
+    activations while it is recomputed. The stage holds `stage_in_flight` micro-batches of ceil(L/pp) layers: under
+    1F1B and ZB-H1 ``min(pp, m)`` on the first stage and one on the last; interleaved 1F1B holds more.
+    ``block="2021"``: Megatron-LM's block of 2021 (no sequence parallelism, attention that keeps its ``a s x s``
+    scores): Korthikanti et al.'s ``sbh (10 + 24/t + 5as/(ht))`` per layer (`korthikanti_layer_bytes`), and with
+    full recomputation a layer input of ``2sbh`` (whole on every TP rank).
     """
     s = cfg.seq_len if seq_len is None else seq_len
     b, h, t = layout.micro_batch, cfg.d_model, layout.tp
     layers = math.ceil(cfg.n_layer / layout.pp)
     parts = layer_activation_bytes(cfg, t, s, b)
     full_layer = sum(parts.values())
+    if block == "2021":
+        full_layer = korthikanti_layer_bytes(cfg, t, s, b, sequence_parallel=False)
+        kept = {"none": full_layer, "full": 2 * s * b * h,
+                "selective": korthikanti_layer_bytes(cfg, t, s, b, sequence_parallel=False, selective=True)}
+        return int(layers * kept[layout.ckpt] * stage_in_flight(layout, accum, stage)
+                   + (full_layer if layout.ckpt == "full" else 0))
+    if block != "today":
+        raise ValueError(f"block={block!r}: 'today' or '2021'")
     if layout.ckpt == "none":
         per_mb = layers * full_layer
     elif layout.ckpt == "selective":
         per_mb = layers * (full_layer - parts["logsumexp"])
     else:                                                               # full: each layer's input, 2sbh/t
         per_mb = layers * 2 * s * b * h / t
-    in_flight = min(layout.pp, accum) if layout.pp > 1 and stage == "first" else 1
+    in_flight = stage_in_flight(layout, accum, stage)
     extra = full_layer if layout.ckpt == "full" else 0                  # the layer being recomputed
     return int(per_mb * in_flight + extra)
+
+
+def stage_in_flight(layout: Layout, accum: int, stage: str = "first") -> float:
+    """Micro-batches (of a whole stage's layers) that a stage holds at its peak under the layout's schedule:
+    `pipeline.peak_microbatches_in_flight` for the first rank (``stage="first"``) or the last: 1F1B and ZB-H1
+    ``min(pp - rank, m)``, interleaved 1F1B `pipeline.interleaved_in_flight` (``p + (p - 1)/v`` on the first rank
+    when m > p); 1 without a pipeline."""
+    if layout.pp == 1:
+        return 1
+    rank = 0 if stage == "first" else layout.pp - 1
+    return pipeline.peak_microbatches_in_flight(layout.schedule, layout.pp, accum, rank, layout.v)
+
+
+def elementwise_bytes(cfg: ModelConfig, tp: int, seq_len: int | None = None, micro_batch: int = 1,
+                      ckpt: str = "full", kernels: str = "fused") -> float:
+    """HBM bytes one layer's memory-bound kernels (norms, activation functions, softmax, dropout, residual adds,
+    bias adds) move per micro-batch on one GPU in a training step: a roofline for everything that is not a matmul.
+
+    The rule (an assumption, stated, not fitted): what a layer keeps for backward is what its elementwise kernels
+    write; each kept byte crosses HBM ``TRAFFIC_PASSES[ckpt]`` times: written in forward, read in backward, its
+    gradient written and read in backward (4), and written once more by the recomputed forward with full
+    recomputation (5). ``kernels="fused"``: today's blocks (fused attention, the planner's count,
+    `layer_activation_bytes`); ``"unfused"``: Megatron-LM's 2021 block, Korthikanti et al.'s count without sequence
+    parallelism, whose ``5as/(ht)`` term is the ``a s x s`` scores, softmax and dropout mask
+    (`korthikanti_layer_bytes`). These kernels run between the matmuls, so their time adds to the matmuls' time."""
+    if kernels == "none":
+        return 0.0
+    if kernels == "unfused":
+        kept = korthikanti_layer_bytes(cfg, tp, seq_len, micro_batch, sequence_parallel=False)
+    elif kernels == "fused":
+        kept = sum(layer_activation_bytes(cfg, tp, seq_len, micro_batch).values())
+    else:
+        raise ValueError(f"kernels={kernels!r}: choose one of {', '.join(ELEMENTWISE)}")
+    return TRAFFIC_PASSES[ckpt] * kept
+
+
+def gemm_intensity(cfg: ModelConfig, tp: int, seq_len: int | None = None, micro_batch: int = 1) -> float:
+    """The lowest arithmetic intensity (FLOPs per HBM byte, bf16) of a layer's weight matmuls on one GPU: for an
+    ``(M, K) @ (K, N)`` GEMM, ``2 M K N / (2 (M K + K N + M N))``, with M = b s tokens and the TP shard's K, N (QKV
+    and up-projection split N by tp, output and down-projection split K). Above the GPU's ridge point (peak / HBM
+    bandwidth: 153 FLOP/B on an A100, 295 on an H100) the roofline says a matmul is compute-bound, so its speed does
+    not depend on its shape; the planner then charges matmuls at one efficiency (``kernel_efficiency``)."""
+    s = cfg.seq_len if seq_len is None else seq_len
+    M, h, f = micro_batch * s, cfg.d_model, cfg.d_ff
+    shapes = [(M, h, 3 * h // tp), (M, h // tp, h), (M, h, f // tp), (M, f // tp, h)]
+    return min(M * K * N / (M * K + K * N + M * N) for M, K, N in shapes)
 
 
 # ------------------------------------------------------------------------------------------------- estimate
@@ -277,11 +378,15 @@ def link(cluster: Cluster, gpu, stride: int, size: int) -> tuple[float, float]:
 @reference_for("08-stage-memory", "08-step-time")
 def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_batch: int,
              seq_len: int | None = None, kernel_efficiency: float = 0.4, reserve_gib: float = 2.0,
-             grad_bytes: int = 4) -> Estimate:
+             grad_bytes: int = 4, elementwise: str = "none", bucket_bytes: float = DDP_BUCKET_BYTES) -> Estimate:
     """Memory per GPU and step time of one layout (see the module docstring). ``gpu``: a `measure.GPUSpec` (its
     ``mem_gb`` read as GiB); ``kernel_efficiency``: the assumed fraction of peak at which the GPUs execute their
-    FLOPs (recomputation included: a hardware FLOPs utilisation); ``grad_bytes``: 4 (fp32 gradients, the default
-    of Megatron-LM and Llama 3) or 2 (bf16)."""
+    matmul FLOPs (recomputation included: a hardware FLOPs utilisation); ``grad_bytes``: 4 (fp32 gradients, the
+    default of Megatron-LM and Llama 3) or 2 (bf16); ``elementwise``: "none" (matmuls only, the default), "fused"
+    or "unfused": add the memory-bound kernels' time at the GPU's HBM bandwidth (`elementwise_bytes`) and the
+    optimizer step's (it reads and writes each model-state byte once); "unfused" is Megatron-LM's 2021 block, whose
+    activations are then counted without sequence parallelism (`activation_bytes_per_gpu`, ``block="2021"``);
+    ``bucket_bytes``: the gradient bucket that cannot hide when ``layout.overlap`` overlaps DP."""
     s = cfg.seq_len if seq_len is None else seq_len
     dp, tp, pp, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
     why, not_modelled = [], ""
@@ -297,7 +402,23 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
         not_modelled = f"ZeRO-{layout.zero} with a pipeline: {NOT_MODELLED}"
     if layout.ckpt not in CKPT:
         raise ValueError(f"ckpt={layout.ckpt!r}: choose one of {', '.join(CKPT)}")
+    if layout.schedule not in SCHEDULES:
+        raise ValueError(f"schedule={layout.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if layout.overlap not in OVERLAPS:
+        raise ValueError(f"overlap={layout.overlap!r}: choose one of {', '.join(OVERLAPS)}")
     accum = max(1, global_batch // (dp * b))
+    if layout.schedule == "interleaved":        # Megatron-LM's rules (--num-layers-per-virtual-pipeline-stage)
+        if pp < 2 or layout.v < 2:
+            why.append(f"interleaved needs pp >= 2 and v >= 2 model chunks per rank; got pp={pp}, v={layout.v} "
+                       f"(use schedule='1f1b')")
+        elif cfg.n_layer % (pp * layout.v):
+            why.append(f"v={layout.v} does not divide the layers per stage ({cfg.n_layer} layers / pp {pp}): "
+                       f"pick v so that pp x v divides {cfg.n_layer}")
+        if pp >= 2 and accum % pp:
+            why.append(f"interleaved needs the micro-batches per DP rank (m = {accum}) to be a multiple of pp = {pp} "
+                       f"(Megatron-LM asserts it): change the global batch or the micro-batch")
+    elif layout.v != 1:
+        why.append(f"v={layout.v} model chunks need schedule='interleaved' (schedule={layout.schedule!r} has 1)")
     logits = b * s * cfg.vocab_size / tp * (2 + 4)
     # ZeRO-3 / FSDP gathers each layer's 16-bit parameters before using it, and prefetches the next: two layers
     # whole (of the TP shard) beside the shards, in forward and again in backward (the unsharded gradient of the
@@ -307,7 +428,7 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     for stage in (("only",) if pp == 1 else ("first", "last")):
         which = "last" if stage == "last" else "first"
         states = model_state_bytes(stage_params(cfg, tp, pp, which), dp, layout.zero, grad_bytes)["total"]
-        acts = activation_bytes_per_gpu(cfg, layout, accum, s, which)
+        acts = activation_bytes_per_gpu(cfg, layout, accum, s, which, "2021" if elementwise == "unfused" else "today")
         parts = dict(model_states=states, activations=acts, logits=0 if stage == "first" else logits,
                      zero3_buffers=gathered, reserve=reserve_gib * GiB)
         parts["total"] = sum(parts.values())
@@ -324,28 +445,75 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     # token instead of 2 + 4 = 6 (Narayanan et al. 2021, appendix: 96 B s l h^2 with recomputation, 72 without)
     recompute = {"none": 1.0, "selective": 1 + attn / (3 * layer_fwd), "full": 8 / 6}[layout.ckpt]
     compute = model_flops * recompute / (cluster.n_gpus * gpu.bf16_tflops * 1e12 * kernel_efficiency)
-    bubble = compute * (pp - 1) / accum                                 # = (pp-1)/(m+pp-1) of compute + bubble
-    act_msg = b * s * cfg.d_model * 2                                   # bf16 (b, s, h)
     layers = math.ceil(cfg.n_layer / pp)
+    # memory-bound kernels: HBM bytes / bandwidth, per layer per micro-batch, for the stage's layers
+    memory_bound = layers * accum * elementwise_bytes(cfg, tp, s, b, layout.ckpt, elementwise) / (gpu.mem_bw_gbs * 1e9)
+    # the optimizer step is memory-bound too: it reads and writes each model-state byte of the GPU once
+    optimizer = 0.0 if elementwise == "none" else 2 * memory["model_states"] / (gpu.mem_bw_gbs * 1e9)
+    work = compute + memory_bound                                       # one GPU's busy time per step
+    # the bubble, per schedule, from lesson 03's formulas (`theory.pipeline`)
+    if pp == 1:
+        bubble = 0.0
+    elif layout.schedule == "interleaved":      # idle fraction f of the step -> f / (1 - f) of the work
+        f = pipeline.interleaved_bubble_fraction(pp, accum, layout.v)
+        bubble = work * f / (1 - f)             # = work (pp - 1) / (v m)
+    else:                                       # per micro-batch: F 2, B 2 (+ the recomputed forward), W 2 parts
+        per_mb = work / accum
+        t_f = t_w = per_mb * 2 / (6 * recompute)
+        t_b = per_mb - t_f - t_w
+        idle = pipeline.zero_bubble_idle_time if layout.schedule == "zb-h1" else pipeline.one_f_one_b_idle_time
+        bubble = idle(pp, t_f, t_b, t_w)        # 1F1B: (pp - 1) x per_mb = work (pp - 1) / m
+    act_msg = b * s * cfg.d_model * 2                                   # bf16 (b, s, h)
     alpha, bw = link(cluster, gpu, 1, tp)
     per_ar = comm.collective_time("all_reduce", act_msg, tp, alpha, bw)
     tp_time = layers * accum * (6 if layout.ckpt == "full" else 4) * per_ar
     alpha, bw = link(cluster, gpu, tp * dp, pp)
-    pp_time = accum * 2 * (alpha + act_msg / tp / bw) if pp > 1 else 0.0
+    # each chunk a rank holds sends its activations forward and their gradients backward: 2 v messages per
+    # micro-batch on a middle rank (`pipeline.p2p_messages_per_microbatch` over the pp ranks, rounded up)
+    p2p_messages = math.ceil(pipeline.p2p_messages_per_microbatch(pp, layout.v) / pp) if pp > 1 else 0
+    pp_time = accum * p2p_messages * (alpha + act_msg / tp / bw)
     alpha, bw = link(cluster, gpu, tp, dp)
     P_gpu = stage_params(cfg, tp, pp)
     grads, params16 = grad_bytes * P_gpu, 2 * P_gpu
+    # the last bucket holds at least the token embedding's shard: its gradient is complete only when the backward
+    # reaches the first layer (a tied head adds to it first), and a parameter larger than a bucket is its own bucket
+    last_bucket = max(bucket_bytes, grad_bytes * cfg.vocab_size * cfg.d_model / tp)
+    fwd_mb = compute / accum * 2 / (6 * recompute)                      # one micro-batch's forward on the stage
+    bwd_mb = compute / accum - fwd_mb                                   # its backward (and recomputed forward)
+    overlap_dp = layout.overlap in ("dp", "dp+tp")
+
+    def hidden(t: float, behind: float, last_part: float) -> float:
+        """Exposed seconds of a collective of ``t`` s issued bucket by bucket while ``behind`` s of compute run:
+        everything hides but ``last_part`` of it (the last bucket, issued when the compute is done)."""
+        return max(t - behind, t * min(1.0, last_part)) if overlap_dp else t
+
     if layout.zero == 3:                    # per micro-batch: gather for forward and backward, scatter the gradients
-        dp_time = accum * (2 * comm.collective_time("all_gather", params16, dp, alpha, bw)
-                           + comm.collective_time("reduce_scatter", grads, dp, alpha, bw))
+        ag, rs = (comm.collective_time("all_gather", params16, dp, alpha, bw),
+                  comm.collective_time("reduce_scatter", grads, dp, alpha, bw))
+        dp_time = accum * (2 * ag + rs)
+        # prefetched layer by layer behind the same micro-batch's forward / backward, but the first layer's gather
+        dp_exposed = accum * (hidden(ag, fwd_mb, 1 / layers) + hidden(ag + rs, bwd_mb, 1 / layers))
     elif layout.zero in (1, 2):             # reduce-scatter the gradients, all-gather the updated bf16 parameters
-        dp_time = (comm.collective_time("reduce_scatter", grads, dp, alpha, bw)
-                   + comm.collective_time("all_gather", params16, dp, alpha, bw))
+        rs = comm.collective_time("reduce_scatter", grads, dp, alpha, bw)
+        ag = comm.collective_time("all_gather", params16, dp, alpha, bw)
+        dp_time = rs + ag
+        # gradients behind the last micro-batch's backward, parameters behind the next step's first forward
+        # (Megatron-LM --overlap-grad-reduce --overlap-param-gather): all but the last bucket of each
+        dp_exposed = hidden(rs, bwd_mb, last_bucket / grads) + hidden(ag, fwd_mb, last_bucket / grads)
     else:                                   # plain data parallelism: all-reduce the gradients
         dp_time = comm.collective_time("all_reduce", grads, dp, alpha, bw)
-    time = dict(compute=compute, bubble=bubble, tp=tp_time, pp=pp_time, dp=dp_time)
-    time["total"] = sum(time.values())
-    est = Estimate(layout, accum, memory, time, "; ".join(why), memory_stage=memory_stage, not_modelled=not_modelled)
+        # DDP's buckets: all-reduced while the last micro-batch's backward runs, all but the last bucket
+        dp_exposed = hidden(dp_time, bwd_mb, last_bucket / grads)
+    # TP: Megatron-Core --tp-comm-overlap / PyTorch async TP split each matmul into tp chunks and move one chunk while
+    # the next multiplies: all hides behind the matmuls but one chunk in tp
+    tp_exposed = max(tp_time - compute, tp_time / tp) if layout.overlap == "dp+tp" and tp > 1 else tp_time
+    exposed = dict(tp=tp_exposed, pp=pp_time, dp=dp_exposed)            # p2p is never overlapped here
+    time = dict(compute=compute, bubble=bubble, tp=tp_time, pp=pp_time, dp=dp_time, memory_bound=memory_bound,
+                optimizer=optimizer)
+    time["total"] = compute + memory_bound + optimizer + bubble + sum(exposed.values())
+    est = Estimate(layout, accum, memory, time, "; ".join(why), memory_stage=memory_stage, not_modelled=not_modelled,
+                   exposed=exposed, in_flight=stage_in_flight(layout, accum, "first"), p2p_messages=p2p_messages,
+                   p2p_bytes=accum * p2p_messages * act_msg / tp)
     est.tokens_per_s = global_batch * s / time["total"]
     peak = cluster.n_gpus * gpu.bf16_tflops * 1e12 * time["total"]
     est.mfu = model_flops / peak
@@ -359,11 +527,14 @@ def _divisors(n: int) -> list[int]:
 
 def plan(cfg: ModelConfig, gpu, cluster: Cluster, global_batch: int, seq_len: int | None = None,
          kernel_efficiency: float = 0.4, micro_batches=(1, 2, 4, 8), zeros=(0, 1, 2, 3), ckpts=CKPT,
-         reserve_gib: float = 2.0, grad_bytes: int = 4) -> list[Estimate]:
-    """Every layout (tp a divisor of a node's GPUs, pp any divisor of the rest, dp what remains): feasible ones
-    first by step time, then the infeasible ones with their reasons, then those not modelled (a pipeline with
-    ZeRO-2/3). A tp that does not divide a node's GPUs (tp = 64 on 8-GPU nodes) is not listed: `estimate` prices
-    such a layout when asked.
+         reserve_gib: float = 2.0, grad_bytes: int = 4, schedules=("1f1b",), vs=(2, 3, 4), overlaps=("none",),
+         elementwise: str = "none") -> list[Estimate]:
+    """Every layout (tp a divisor of a node's GPUs, pp any divisor of the rest, dp what remains; each ZeRO stage,
+    recomputation, micro-batch, schedule and overlap asked for): feasible ones first by step time, then the
+    infeasible ones with their reasons, then those not modelled (a pipeline with ZeRO-2/3). A tp that does not divide
+    a node's GPUs (tp = 64 on 8-GPU nodes) is not listed: `estimate` prices such a layout when asked. With
+    ``"interleaved"`` in ``schedules``, each v of ``vs`` such that pp x v divides the layers is listed (a v that does
+    not is a layout nobody can run; `estimate` says why when asked); a pipeline schedule only where pp > 1.
 
     pp is not only a power of two: BLOOM ran pp=12 on 384 GPUs (`lessons.l08_three_d.published`), and on
     3 x 2^k GPUs with a batch of 2^k sequences every power-of-two pp leaves a dp that does not divide the batch."""
@@ -372,10 +543,16 @@ def plan(cfg: ModelConfig, gpu, cluster: Cluster, global_batch: int, seq_len: in
     for tp in [d for d in _divisors(min(cluster.gpus_per_node, n)) if n % d == 0]:
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
+            kinds = [("1f1b", 1)] if pp == 1 else (
+                [(sch, 1) for sch in schedules if sch != "interleaved"]
+                + [("interleaved", v) for v in vs if "interleaved" in schedules and cfg.n_layer % (pp * v) == 0])
             for zero in zeros:
                 for ckpt in ckpts:
                     for b in micro_batches:
-                        rows.append(estimate(cfg, gpu, cluster, Layout(dp, tp, pp, zero, ckpt, b), global_batch,
-                                             seq_len, kernel_efficiency, reserve_gib, grad_bytes))
+                        for sch, v in kinds:
+                            for ov in overlaps:
+                                rows.append(estimate(cfg, gpu, cluster, Layout(dp, tp, pp, zero, ckpt, b, sch, v, ov),
+                                                     global_batch, seq_len, kernel_efficiency, reserve_gib,
+                                                     grad_bytes, elementwise))
     order = {"feasible": 0, "infeasible": 1, "not modelled": 2}
     return sorted(rows, key=lambda e: (order[e.status], e.time["total"], e.memory["total"]))

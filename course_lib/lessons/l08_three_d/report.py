@@ -4,6 +4,7 @@
     comm_table(rows, hw); comm_figure(rows, hw)       # payload bytes per dimension per rank: counted vs formula
     print(plan_table(rows, k=10)); frontier_figure(rows, title)
     planner_widget()                                  # ipywidgets over `course_lib.theory.planner.plan`
+    throughput_figure(eff, rows)                      # published TFLOP/s per GPU: planner vs reported, and errors
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from course_lib.lessons.common import plain_log_ticks
 from course_lib.measure import GPU_SPECS
 from course_lib.theory.planner import GiB, Cluster, plan
 
-__all__ = ["grid_figure", "comm_table", "comm_figure", "plan_table", "frontier", "frontier_figure", "planner_widget"]
+__all__ = ["grid_figure", "comm_table", "comm_figure", "plan_table", "frontier", "frontier_figure", "planner_widget",
+           "throughput_figure"]
 
 DIMS = ("tp", "pp", "dp")
 COLORS = {"tp": "#1f77b4", "pp": "#2ca02c", "dp": "#ff7f0e"}
@@ -214,3 +216,42 @@ def planner_widget():
         widget.observe(update, names="value")
     update()
     return w.VBox([w.HBox([preset, gpu, nodes]), w.HBox([per_node, inter, batch]), efficiency, out])
+
+
+def throughput_figure(efficiency: float, rows: list, calibration: str = ""):
+    """Left: each scored run's TFLOP/s per GPU, the planner's against the reported (``rows``:
+    `published.throughput_table`'s), with the y = x line and the constant baseline; the calibration row ringed.
+    Right: the error per run (runs out of the score hatched), the planner's beside the constant baseline's."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1, 1.6]})
+    scored = [t for t in rows if t.run.scored]
+    rep = [t.reported for t in scored]
+    pred = [t.predicted for t in scored]
+    lo, hi = 0.93 * min(rep + pred), 1.04 * max(rep + pred)
+    ax.plot([lo, hi], [lo, hi], "k-", lw=1, label="y = x")
+    ax.fill_between([lo, hi], [0.9 * lo, 0.9 * hi], [1.1 * lo, 1.1 * hi], color="#e5e5e5", label="within 10 %")
+    ax.axhline(scored[0].baseline, color="#888888", ls="--", lw=1, label="constant baseline")
+    for t in scored:
+        ax.plot(t.reported, t.predicted, "o", ms=6, color="#1f77b4")
+        if t.run.name == calibration:
+            ax.plot(t.reported, t.predicted, "o", ms=13, mfc="none", mec="k")
+    ax.set(xlim=(lo, hi), ylim=(lo, hi), xlabel="reported TFLOP/s per GPU", ylabel="planner TFLOP/s per GPU",
+           title=f"scored runs; matmuls at {efficiency:.0%} of peak (ringed: calibration)")
+    ax.legend(fontsize=7, loc="upper left")
+    names = [t.run.name.replace("Megatron-LM ", "").replace(" (table 1)", "") for t in rows]
+    x = range(len(rows))
+    bars = bx.bar([i - 0.2 for i in x], [100 * t.error for t in rows], 0.4, label="planner", color="#1f77b4")
+    for bar, t in zip(bars, rows):
+        if not t.run.scored:
+            bar.set(hatch="//", facecolor="white", edgecolor="#1f77b4")
+    bx.bar([i + 0.2 for i in x], [100 * t.baseline_error for t in rows], 0.4, label="constant baseline",
+           color="#bbbbbb")
+    bx.axhline(0, color="k", lw=0.8)
+    for y in (-10, 10):
+        bx.axhline(y, color="k", lw=0.6, ls=":")
+    bx.set_xticks(list(x), names, rotation=60, ha="right", fontsize=7)
+    bx.set(ylabel="error, % of reported", ylim=(-35, 25), title="error per run (dotted: +-10 %)")
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
