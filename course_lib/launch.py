@@ -151,6 +151,39 @@ def resolve_backend(backend: str, nprocs: int) -> str:
     return backend
 
 
+def _validate_call(fn: Any, args: Any, kwargs: Any, where: str = "run") -> None:
+    """``fn`` callable, ``args`` a tuple or list (not a single value, a string or a dict), ``kwargs`` a dict with
+    string keys or None: checked before anything starts, so that a bad call is not a rank's traceback."""
+    if not callable(fn):
+        raise LaunchError(f"{where}: fn={fn!r} is not callable: pass the function every rank runs")
+    if isinstance(args, (str, bytes, dict)) or not isinstance(args, (tuple, list)):
+        raise LaunchError(f"{where}: args={args!r} must be a tuple or list of fn's positional arguments "
+                          f"(got {type(args).__name__}); one argument x is args=(x,)")
+    if kwargs is not None and (not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs)):
+        raise LaunchError(f"{where}: kwargs={kwargs!r} must be a dict of fn's keyword arguments by name, or None")
+
+
+def _validate_env(env: Any) -> None:
+    if env is not None and (not isinstance(env, dict)
+                            or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise LaunchError(f"env={env!r} must be a dict of strings (variable name -> value), or None")
+
+
+def _validate_timeout(timeout_s: Any) -> None:
+    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise LaunchError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
+
+
+def _validate_threads(threads_per_rank: Any) -> None:
+    most = os.cpu_count() or 1
+    if threads_per_rank is None:
+        return
+    if isinstance(threads_per_rank, bool) or not isinstance(threads_per_rank, int) \
+            or not 1 <= threads_per_rank <= most:
+        raise LaunchError(f"threads_per_rank={threads_per_rank!r} must be an int from 1 to {most} (this machine's "
+                          f"logical CPUs), or None to share the cores among the ranks")
+
+
 def _validate_port(port: int | None) -> None:
     if port is None:
         return
@@ -641,10 +674,12 @@ def run(fn: Callable, nprocs: int, *, args: Sequence = (), kwargs: dict | None =
             Runs with a fixed ``port``, runs inside a rank and runs under COURSE_POOL=0 are always fresh.
     """
     nprocs = _validate_nprocs(nprocs)
+    _validate_call(fn, args, kwargs)
+    _validate_env(env)
+    _validate_timeout(timeout_s)
+    _validate_threads(threads_per_rank)
     backend = resolve_backend(backend, nprocs)
     _validate_port(port)
-    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-        raise LaunchError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
     threads = threads_per_rank or max(1, procs.usable_cores() // nprocs)
     run_dir = _job_dir(fn, args, kwargs, backend, threads, timeout_s)
     if not fresh and port is None and pool_mod.enabled():
@@ -667,9 +702,10 @@ def run_nodes(fn: Callable, nnodes: int, nproc_per_node: int, *, args: Sequence 
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise LaunchError(f"run_nodes: {name}={value!r} must be a positive int")
     nprocs = _validate_nprocs(nnodes * nproc_per_node)
+    _validate_call(fn, args, kwargs, "run_nodes")
+    _validate_env(env)
+    _validate_timeout(timeout_s)
     backend = resolve_backend(backend, nprocs)
-    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-        raise LaunchError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
     threads = max(1, procs.usable_cores() // nprocs)
     run_dir = _job_dir(fn, args, kwargs, backend, threads, timeout_s)
     return _launch(["-m", "course_lib._worker", str(run_dir)], nprocs, backend, timeout_s, env, stream, run_dir,
@@ -695,6 +731,16 @@ def run_script(path: str | os.PathLike, nprocs: int, args: Sequence[str] = (), *
     script = Path(path)
     if not script.is_file():
         raise LaunchError(f"script {str(script)!r} does not exist: pass the path of a .py file")
+    if isinstance(args, (str, bytes, dict)) or not isinstance(args, (tuple, list)):
+        raise LaunchError(f"run_script: args={args!r} must be a list of the script's command-line arguments "
+                          f"(got {type(args).__name__}), e.g. ['--config', 'configs/x.toml']")
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        raise LaunchError(f"run_script: nnodes={nnodes!r} must be a positive int (it only shapes the printed "
+                          f"command)")
+    if isinstance(max_restarts, bool) or not (isinstance(max_restarts, int) and max_restarts >= 0):
+        raise LaunchError(f"run_script: max_restarts={max_restarts!r} must be an int >= 0")
+    _validate_env(env)
+    _validate_timeout(timeout_s)
     _validate_port(port)
     if print_command:
         print("one node:  ", shlex.join(torchrun_command([str(script), *args], nprocs)))
@@ -703,7 +749,5 @@ def run_script(path: str | os.PathLike, nprocs: int, args: Sequence[str] = (), *
     threads = max(1, procs.usable_cores() // nprocs)
     run_dir = _new_run_dir()
     wrapper = ["-m", "course_lib._script", str(run_dir), str(script.resolve()), *map(str, args)]
-    if not (isinstance(max_restarts, int) and max_restarts >= 0):
-        raise LaunchError(f"max_restarts={max_restarts!r} must be an int >= 0")
     return _launch(wrapper, nprocs, "script", timeout_s, env, stream, run_dir, port, threads,
                    max_restarts=max_restarts, on_poll=on_poll)

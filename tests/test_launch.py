@@ -159,6 +159,40 @@ def test_bad_nprocs_is_refused_before_launch(nprocs):
         run(_chatty, nprocs)
 
 
+@pytest.mark.parametrize("call, match", [
+    (dict(args=5), r"args=5 must be a tuple or list .* \(got int\); one argument x is args=\(x,\)"),
+    (dict(args="ab"), r"args='ab' must be a tuple or list"),
+    (dict(args={"a": 1}), r"must be a tuple or list .* \(got dict\)"),
+    (dict(kwargs=[1]), r"kwargs=\[1\] must be a dict"),
+    (dict(threads_per_rank=0), r"threads_per_rank=0 must be an int from 1 to \d+"),
+    (dict(threads_per_rank=1.5), r"threads_per_rank=1.5 must be an int"),
+    (dict(threads_per_rank=10_000), r"threads_per_rank=10000 must be an int from 1 to"),
+    (dict(env={"A": 1}), r"env=.* must be a dict of strings"),
+    (dict(timeout_s=0), r"timeout_s=0 must be a positive number"),
+    (dict(timeout_s=True), r"timeout_s=True must be a positive number"),
+])
+def test_bad_arguments_are_refused_before_launch_naming_the_field(call, match, tmp_path, monkeypatch):
+    """Issue 33: ``run(fn, 2, args=5)`` used to fail inside the pickler ("'int' object is not iterable") and
+    ``threads_per_rank=0`` ran. Nothing starts: no run folder is created."""
+    monkeypatch.setenv("COURSE_RUNS_DIR", str(tmp_path))
+    with pytest.raises(LaunchError, match=match):
+        run(_chatty, 2, **call)
+    with pytest.raises(LaunchError, match="is not callable"):
+        run(42, 2)
+    assert not list(tmp_path.iterdir())
+
+
+def test_bad_script_arguments_are_refused_before_launch(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("print('hi')\n")
+    for call, match in ((dict(args="--x"), r"args='--x' must be a list of the script's command-line arguments"),
+                        (dict(nnodes=0), r"nnodes=0 must be a positive int"),
+                        (dict(max_restarts=-1), r"max_restarts=-1 must be an int >= 0"),
+                        (dict(timeout_s=-3), r"timeout_s=-3 must be a positive number")):
+        with pytest.raises(LaunchError, match=match):
+            run_script(script, 2, **call)
+
+
 def test_unpicklable_argument_is_refused_before_launch():
     lock = threading.Lock()
     with pytest.raises(LaunchError, match="cannot send .* picklable"):
