@@ -56,6 +56,8 @@ TERMS: dict[str, str] = {
     "weak scaling": "弱扩展",
     "calibration (of a cost model)": "（代价模型的）校准",
     "model chunk (virtual pipeline stage)": "模型块（虚拟流水线阶段）",
+    "input-gradient pass (B)": "输入梯度计算（B）",
+    "weight-gradient pass (W)": "权重梯度计算（W）",
     "memory bandwidth": "内存带宽（显存带宽）",
     "algorithm bandwidth": "算法带宽",
     "bus bandwidth": "总线带宽",

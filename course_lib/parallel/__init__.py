@@ -2,8 +2,10 @@
 
     collectives.py         ring all-reduce from send/recv, bytes counted                     lesson 02
     ddp.py                 naive gradient averaging, bucketed DDP overlapped with backward   lesson 02
-    pipeline_schedules.py  naive, GPipe and 1F1B orders as pure functions; the bubble        lesson 03
-    pipeline.py            a GPT split into stages, point-to-point messages, a schedule run  lesson 03
+    pipeline_schedules.py  GPipe, 1F1B, interleaved 1F1B, ZB-H1 orders; simulated; bubble    lesson 03
+    pipeline_messages.py   a schedule's point-to-point posts, in an order NCCL cannot deadlock lesson 03
+    split_backward.py      zero-bubble's backward split: B (input gradient) now, W later      lesson 03
+    pipeline.py            a GPT split into stages (or v chunks per rank), a schedule run    lesson 03
     tensor.py              column/row-parallel linear, f and g, parallel MLP and attention   lesson 04
     sequence.py            sequence parallelism: collectives along the sequence              lesson 04
     vocab.py               vocab-parallel embedding and cross-entropy                        lesson 04

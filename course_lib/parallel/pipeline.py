@@ -6,15 +6,22 @@ that rank `rank` owns: the embeddings go to the first stage, a contiguous range 
 gradients backward; the loss is computed on the last stage.
 
 `run_schedule(stage, order, x_mbs, y_mbs)` executes one rank's list of ``("F", i)`` / ``("B", i)`` ops (from
-`course_lib.parallel.pipeline_schedules`: naive, GPipe, 1F1B) and records, for every op, its start and end
-(start after the input arrived, end when the compute is done, before sending; CUDA events on a GPU) and the exact
-bytes of activations held for backward (saved-tensor hooks, `course_lib.measure.SavedActivations`). Between two ops
-a rank sends the output of the op it finished and receives the input of the next in one batch
-(``dist.batch_isend_irecv``): a rank waits only for data it needs, so any dependency-respecting order runs without
-deadlock, on gloo and on NCCL (which runs the messages between two ranks in one queue: a send and a receive between
-the same ranks posted apart can wait on each other there; see `course_lib.nccl_rules`).
+`course_lib.parallel.pipeline_schedules`: naive, GPipe, 1F1B, interleaved 1F1B, ZB-H1) and records, for every op,
+its start and end (start after the input arrived, end when the compute is done, before sending; CUDA events on a
+GPU) and the exact bytes of activations held for backward (saved-tensor hooks,
+`course_lib.measure.SavedActivations`). Between two ops a rank sends the output of the op it finished and receives
+the input of the next in one batch (``dist.batch_isend_irecv``): a rank waits only for data it needs, so any
+dependency-respecting order runs without deadlock, on gloo and on NCCL (which runs the messages between two ranks in
+one queue: a send and a receive between the same ranks posted apart can wait on each other there; see
+`course_lib.nccl_rules`).
 
-Papers: GPipe (Huang et al. 2019), PipeDream / 1F1B (Narayanan et al. 2019, 2021 "Megatron-LM").
+Interleaved schedules give a rank v chunks (`build_chunks`: ring positions rank, rank + p, ...; rank p - 1 sends to
+rank 0, and on p = 2 both directions join the same two ranks), so their messages follow
+`pipeline_messages.p2p_plan`, an order every pair of ranks agrees on. Zero-bubble schedules split each backward into
+B (the input's gradient) and W (the weight gradients, later): `course_lib.parallel.split_backward`.
+
+Papers: GPipe (Huang et al. 2019), PipeDream / 1F1B (Narayanan et al. 2019, 2021 "Megatron-LM"), zero bubble (Qi et
+al. 2023).
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ from course_lib import measure
 from course_lib.config import ConfigError
 from course_lib.model import lm_loss
 from course_lib.parallel.collectives import send_recv
-from course_lib.parallel.pipeline_schedules import split_stages, validate_order
+from course_lib.parallel.pipeline_messages import adjacent_plan
+from course_lib.parallel.pipeline_schedules import op_parts, split_stages, validate_interleaving, validate_order
+from course_lib.parallel.split_backward import backward_input, backward_weight, record_param_outputs
 from course_lib.reference import reference_for
 
-__all__ = ["Stage", "build_stage", "P2P", "run_schedule", "split_microbatches", "sequential_loss"]
+__all__ = ["Stage", "build_stage", "build_chunks", "P2P", "run_schedule", "split_microbatches", "sequential_loss"]
 
 
 class Stage(nn.Module):
@@ -117,6 +126,26 @@ class P2P:
         send_recv(t, to, buf, frm, self.group)
         return buf
 
+    def post(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tuple, int]],
+             dtype=torch.float32) -> list[torch.Tensor]:
+        """Post every ``(tensor, to)`` send and ``(shape, from)`` receive in one ``dist.batch_isend_irecv`` and wait
+        for all: `exchange` for several messages at once (interleaved schedules, where rank p - 1 also sends to
+        rank 0 and, on p = 2, both directions of the ring join the same two ranks). Returns the received tensors."""
+        if len(sends) <= 1 and len(recvs) <= 1:
+            got = self.exchange(sends[0] if sends else None, recvs[0] if recvs else None, dtype)
+            return [got] if recvs else []
+        ops, bufs = [], []
+        for t, to in sends:
+            t = t.detach().contiguous()
+            self.bytes_sent += t.numel() * t.element_size()
+            ops.append(dist.P2POp(dist.isend, t, self._peer(to), self.group))
+        for shape, frm in recvs:
+            bufs.append(torch.empty(shape, dtype=dtype, device=self.device))
+            ops.append(dist.P2POp(dist.irecv, bufs[-1], self._peer(frm), self.group))
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        return bufs
+
     def send(self, t: torch.Tensor, to: int) -> None:
         t = t.detach().contiguous()
         self.pending.append((dist.isend(t, self._peer(to), group=self.group), t))   # keep t alive
@@ -145,74 +174,120 @@ class P2P:
         self.pending.clear()
 
 
+def build_chunks(model: nn.Module, rank: int, p: int, v: int) -> list[Stage]:
+    """Rank `rank`'s v model chunks for interleaved schedules: the model's blocks split into v p equal chunks, of which
+    rank r holds chunks r, r + p, ..., r + (v - 1) p (ring positions; Narayanan et al. 2021, section 2.2). The first
+    chunk of the ring has the embeddings, the last one ln_f and the head. n_layers must be a multiple of p v."""
+    validate_interleaving(p, v, p, len(model.blocks))
+    ranges = split_stages(len(model.blocks), v * p)
+    return [build_stage(model, c * p + rank, v * p, ranges) for c in range(v)]
+
+
+def _take(msg, inbox: dict, outbox: dict) -> torch.Tensor:
+    """An op's input: received, or made by this rank's own previous chunk (p = 1, or the plan kept it local)."""
+    return inbox.pop(msg) if msg in inbox else outbox.pop(msg).detach()
+
+
 @reference_for("03-gpipe")
-def run_schedule(stage: Stage, order: list, x_mbs: list[torch.Tensor], y_mbs: list[torch.Tensor],
-                 comm: P2P | None = None, loss_fn=lm_loss, hidden_shape=None) -> dict:
+def run_schedule(stage: Stage | list[Stage], order: list, x_mbs: list[torch.Tensor], y_mbs: list[torch.Tensor],
+                 comm: P2P | None = None, loss_fn=lm_loss, hidden_shape=None, plan: list | None = None) -> dict:
     """Run one rank's ops of one training step (no optimizer step): gradients accumulate in `.grad`.
 
+    stage: this rank's `Stage`, or its v chunks (`build_chunks`) for ops ``("F"|"B"|"W", i, c)``. An order with W ops
+    splits each backward: B computes the gradient of the chunk's input only (what the previous rank waits for), W
+    the weight gradients later (zero-bubble schedules, Qi et al. 2023).
     x_mbs / y_mbs: the m micro-batches of token ids / targets, (b, T) each (only the first stage reads x,
     only the last reads y). Each micro-batch's loss is divided by m, so the accumulated gradients are those
     of the mean loss over the whole batch, as on one process.
-    Between two ops the rank sends the previous op's output and receives the next op's input in one batch
-    (`P2P.exchange`). Every op is timed with `course_lib.measure.Stopwatch` (CUDA events on a GPU: never a
+    Before each op the rank posts one batch of messages (`P2P.exchange`): by default the previous op's output with
+    the next op's input; ``plan`` (`pipeline_messages.p2p_plan`, from every rank's order) is required with chunks.
+    Every op is timed with `course_lib.measure.Stopwatch` (CUDA events on a GPU: never a
     ``torch.cuda.synchronize()``, which would wait for NCCL's messages too): start after its input arrived, end when
     its compute is done, before sending.
-    Returns ``losses`` (per micro-batch, last stage, unscaled), ``timeline`` (per op: kind, mb, start, end in
+    Returns ``losses`` (per micro-batch, last stage, unscaled), ``timeline`` (per op: kind, mb, chunk, start, end in
     seconds of ``time.perf_counter``, the monotonic clock that all processes of one machine share, so the
     ranks' timelines line up without a clock-offset estimate), ``act_peak`` (bytes of saved activations held
-    at the peak), ``act_per_mb`` (bytes per micro-batch), ``bytes_sent``.
+    at the peak; a split backward holds them until W), ``act_per_mb`` (bytes per micro-batch, all chunks),
+    ``bytes_sent``, ``messages`` (sent by this rank).
     """
-    m = len(x_mbs)
-    validate_order(order, m)
-    device = next(stage.parameters()).device
+    chunks = list(stage) if isinstance(stage, (list, tuple)) else [stage]
+    v, m = len(chunks), len(x_mbs)
+    validate_order(order, m, v)
+    rank, p = (comm.rank, comm.p) if comm is not None else (0, 1)
+    if plan is None:
+        if v > 1:
+            raise ValueError("chunks need the messages of every rank: pass plan=p2p_plan(orders, rank)")
+        plan = adjacent_plan(order, rank, p)
+    split = any(op[0] == "W" for op in order)
+    device = next(chunks[0].parameters()).device
     b, T = x_mbs[0].shape
-    shape = hidden_shape or (b, T, stage.d_model)   # what travels between stages: (b, T, C)
-    held: dict[int, tuple] = {}                # mb -> (input, output or loss): what backward needs
-    act_bytes: dict[int, int] = {}             # mb -> saved activation bytes
+    shape = hidden_shape or (b, T, chunks[0].d_model)   # what travels between stages: (b, T, C)
+    held: dict[tuple, tuple] = {}              # (mb, chunk) -> (input, output or loss, module outputs): for B
+    pending_w: dict[tuple, tuple] = {}         # (mb, chunk) -> (module outputs, their gradients): for W
+    act_bytes: dict[tuple, int] = {}           # (mb, chunk) -> saved activation bytes
+    inbox, outbox = {}, {}                     # message id -> tensor received / to send
     losses, stamps = [None] * m, []
-    live = peak = 0
-    outgoing = None                            # (tensor, to): the previous op's output, sent with the next receive
+    live = peak = messages = 0
     if comm is not None:
         dist.barrier(group=comm.group)         # every rank starts together
     clock = measure.Stopwatch(device)
-    for kind, i in order:
-        incoming = None                        # activations come from rank-1, their gradients from rank+1
-        if kind == "F" and not stage.is_first:
-            incoming = (shape, comm.rank - 1)
-        elif kind == "B" and not stage.is_last:
-            incoming = (shape, comm.rank + 1)
-        received = comm.exchange(outgoing, incoming) if outgoing or incoming else None
-        outgoing = None
+    for op, batch in zip(list(order) + [None], plan):
+        if batch:
+            sends = [(outbox.pop(msg), peer) for kind, peer, msg in batch if kind == "S"]
+            recvs = [(msg, peer) for kind, peer, msg in batch if kind == "R"]
+            inbox.update(zip([msg for msg, _ in recvs], comm.post(sends, [(shape, peer) for _, peer in recvs])))
+            messages += len(sends)
+        if op is None:
+            break
+        kind, i, c = op_parts(op)
+        chunk = chunks[c]
+        pos = c * p + rank
         if kind == "F":
-            inp = x_mbs[i].to(device) if stage.is_first else received.requires_grad_()
+            inp = x_mbs[i].to(device) if chunk.is_first else _take(("F", i, pos - 1), inbox, outbox).requires_grad_()
+            outputs: list = []
+            hooks = record_param_outputs(chunk, outputs) if split else []
             start = clock.stamp()
-            with measure.SavedActivations(stage) as acts:
-                out = stage(inp)
-                if stage.is_last:
+            with measure.SavedActivations(chunk) as acts:
+                out = chunk(inp)
+                if chunk.is_last:
                     loss = loss_fn(out, y_mbs[i].to(device))
                     losses[i] = loss.detach()
                     out = loss / m
             end = clock.stamp()                # compute done; sending counts as idle time
-            act_bytes[i] = acts.bytes
+            for h in hooks:
+                h.remove()
+            act_bytes[(i, c)] = acts.bytes
             live += acts.bytes
             peak = max(peak, live)
-            if not stage.is_last:
-                outgoing = (out, comm.rank + 1)
-            held[i] = (inp, out)
-        else:
-            inp, out = held.pop(i)
+            if not chunk.is_last:
+                outbox[("F", i, pos)] = out
+            held[(i, c)] = (inp, out, outputs)
+        elif kind == "B":
+            inp, out, outputs = held.pop((i, c))
+            grad_out = None if chunk.is_last else _take(("B", i, pos + 1), inbox, outbox)
             start = clock.stamp()
-            torch.autograd.backward(out, None if stage.is_last else received)
+            if split:
+                grad_in, grads = backward_input(out, grad_out, inp, outputs)
+                pending_w[(i, c)] = (outputs, grads)
+            else:
+                torch.autograd.backward(out, grad_out)
+                grad_in = inp.grad
+                live -= act_bytes[(i, c)]
             end = clock.stamp()
-            live -= act_bytes[i]
-            if not stage.is_first:
-                outgoing = (inp.grad, comm.rank - 1)
-        stamps.append((kind, i, start, end))
-    if outgoing is not None:
-        comm.exchange(outgoing)
-    timeline = [dict(kind=kind, mb=i, start=clock.seconds(s), end=clock.seconds(e)) for kind, i, s, e in stamps]
-    return dict(losses=[float(v) for v in losses] if stage.is_last else [], timeline=timeline, act_peak=peak,
-                act_per_mb=[act_bytes[i] for i in range(m)], bytes_sent=comm.bytes_sent if comm else 0)
+            if not chunk.is_first:
+                outbox[("B", i, pos)] = grad_in
+        else:
+            start = clock.stamp()
+            backward_weight(*pending_w.pop((i, c)))
+            end = clock.stamp()
+            live -= act_bytes[(i, c)]
+        stamps.append((kind, i, c, start, end))
+    timeline = [dict(kind=kind, mb=i, chunk=c, start=clock.seconds(s), end=clock.seconds(e))
+                for kind, i, c, s, e in stamps]
+    is_last = chunks[-1].is_last
+    return dict(losses=[float(x) for x in losses] if is_last else [], timeline=timeline, act_peak=peak,
+                act_per_mb=[sum(act_bytes[(i, c)] for c in range(v)) for i in range(m)],
+                bytes_sent=comm.bytes_sent if comm else 0, messages=messages)
 
 
 def sequential_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, p: int) -> torch.Tensor:

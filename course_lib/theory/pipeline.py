@@ -22,7 +22,7 @@ from course_lib.reference import reference_for
 
 __all__ = ["bubble_fraction", "bubble_ratio", "interleaved_bubble_fraction", "zero_bubble_idle_time",
            "one_f_one_b_idle_time", "peak_microbatches_in_flight", "step_time", "interleaved_in_flight",
-           "p2p_messages_per_microbatch"]
+           "p2p_messages_per_microbatch", "zero_bubble_fraction"]
 
 
 def _validate(p: int, m: int) -> None:
@@ -65,6 +65,14 @@ def one_f_one_b_idle_time(p: int, t_f: float, t_b: float, t_w: float) -> float:
 def zero_bubble_idle_time(p: int, t_f: float, t_b: float, t_w: float) -> float:
     """Idle time per rank of the ZB-H1 schedule (Qi et al. 2023): (p - 1)(t_F + t_B - t_W), never below 0."""
     return max(0.0, (p - 1) * (t_f + t_b - t_w))
+
+
+def zero_bubble_fraction(p: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
+    """Idle fraction of a ZB-H1 step (m >= p): the idle time (p - 1)(t_F + t_B - t_W) over the step
+    m (t_F + t_B + t_W) + idle. With t_F = t_B = t_W: (p - 1) / (3 m + p - 1)."""
+    _validate(p, m)
+    idle = zero_bubble_idle_time(p, t_f, t_b, t_w)
+    return idle / (m * (t_f + t_b + t_w) + idle)
 
 
 def interleaved_in_flight(p: int, v: int, m: int, rank: int = 0) -> float:

@@ -14,11 +14,14 @@ from course_lib.config import ModelConfig
 from course_lib.data import random_batches
 from course_lib.lessons.common import grads_of, small_config
 from course_lib.model import build_model, lm_loss
-from course_lib.parallel.pipeline import P2P, build_stage, run_schedule, split_microbatches
-from course_lib.parallel.pipeline_schedules import bubble_of, schedule_orders
+from course_lib.parallel.pipeline import P2P, build_chunks, build_stage, run_schedule, split_microbatches
+from course_lib.parallel.pipeline_messages import p2p_plan
+from course_lib.parallel.pipeline_schedules import bubble_of, schedule_orders, simulate, split_stages
 
 __all__ = ["pipeline_config", "bubble_config", "rank_step", "rank_torch_step", "rank_correctness",
-           "rank_bubble_sweep", "rank_memory"]
+           "rank_bubble_sweep", "rank_memory", "rank_torch_chunked_step", "rank_beyond_1f1b", "op_times", "bubble_rows"]
+
+CHUNKED = ("interleaved",)          # schedules whose ranks hold v model chunks
 
 
 def pipeline_config(n_layer: int = 4, **overrides) -> ModelConfig:
@@ -34,17 +37,21 @@ def bubble_config(n_layer: int = 4, **overrides) -> ModelConfig:
                                        **overrides})
 
 
-def rank_step(cfg: ModelConfig, x, y, kind: str, m: int, seed: int = 0, model=None) -> dict:
-    """One pipelined training step (forward + backward, no optimizer step) of schedule `kind` on this rank.
+def rank_step(cfg: ModelConfig, x, y, kind: str, m: int, seed: int = 0, model=None, v: int = 2) -> dict:
+    """One pipelined training step (forward + backward, no optimizer step) of schedule `kind` on this rank
+    ("naive", "gpipe", "1f1b", "zb-h1", or "interleaved" with v chunks per rank).
 
     Returns run_schedule's result plus ``grads`` of this rank's parameters (named as in the full model).
     """
     rank, p, device = cdist.rank(), cdist.world_size(), cdist.device()
     model = model if model is not None else build_model(cfg, seed).to(device)
     model.zero_grad(set_to_none=True)
-    stage = build_stage(model, rank, p)
-    order = schedule_orders(kind, p, m)[rank]
-    out = run_schedule(stage, order, split_microbatches(x, m), split_microbatches(y, m), P2P(rank, p, device))
+    chunked = kind in CHUNKED
+    stage = build_chunks(model, rank, p, v) if chunked else build_stage(model, rank, p)
+    orders = schedule_orders(kind, p, m, v if chunked else 1)
+    plan = p2p_plan(orders, rank) if chunked else None
+    out = run_schedule(stage, orders[rank], split_microbatches(x, m), split_microbatches(y, m), P2P(rank, p, device),
+                       plan=plan)
     out["grads"] = grads_of(model)
     return out
 
@@ -60,16 +67,39 @@ def rank_torch_step(cfg: ModelConfig, x, y, kind: str, m: int, seed: int = 0) ->
     pipe_stage = PipelineStage(stage, stage_index=rank, num_stages=p, device=device)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind]
     schedule = cls(pipe_stage, n_microbatches=m, loss_fn=lm_loss)   # scale_grads: gradients / m
+    losses = _torch_step(schedule, x, y, device, rank == 0, rank == p - 1)
+    return dict(losses=losses, grads=grads_of(model))
+
+
+def _torch_step(schedule, x, y, device, first: bool, last: bool) -> list:
+    """Drive a torch.distributed.pipelining schedule: the rank holding the first stage feeds x, the one holding the
+    last gets the targets and returns the micro-batch losses."""
     losses: list = []
-    if rank == 0 and p == 1:
-        schedule.step(x.to(device), target=y.to(device), losses=losses)
-    elif rank == 0:
-        schedule.step(x.to(device))
-    elif rank == p - 1:
-        schedule.step(target=y.to(device), losses=losses)
-    else:
-        schedule.step()
-    return dict(losses=[float(v) for v in losses], grads=grads_of(model))
+    inputs = (x.to(device),) if first else ()
+    extra = dict(target=y.to(device), losses=losses) if last else {}
+    schedule.step(*inputs, **extra)
+    return [float(v) for v in losses]
+
+
+def rank_torch_chunked_step(cfg: ModelConfig, x, y, name: str, m: int, v: int = 2, seed: int = 0) -> dict:
+    """The step with torch.distributed.pipelining's multi-stage schedules (`name`: "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble") on the same v p chunks as ours; ZBV places them in a
+    V (rank r holds chunks r and 2p - 1 - r, v = 2), the others round-robin. Returns losses (on the rank holding the
+    last chunk) and this rank's gradients, or ``error`` (the exception's type and first line) where PyTorch refuses."""
+    import torch.distributed.pipelining as pipelining
+
+    rank, p, device = cdist.rank(), cdist.world_size(), cdist.device()
+    model = build_model(cfg, seed).to(device)
+    positions = [rank, 2 * p - 1 - rank] if name == "ScheduleZBVZeroBubble" else [c * p + rank for c in range(v)]
+    ranges = split_stages(len(model.blocks), v * p)
+    try:
+        stages = [pipelining.PipelineStage(build_stage(model, s, v * p, ranges), stage_index=s, num_stages=v * p,
+                                           device=device) for s in positions]
+        schedule = getattr(pipelining, name)(stages, n_microbatches=m, loss_fn=lm_loss)
+        losses = _torch_step(schedule, x, y, device, 0 in positions, v * p - 1 in positions)
+    except Exception as e:   # noqa: BLE001 - the lesson shows which schedule PyTorch refuses here, and why
+        return dict(error=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+    return dict(losses=losses, grads=grads_of(model))
 
 
 def rank_correctness(cfg: ModelConfig, batch: int, ms, kinds=("gpipe", "1f1b"), torch_ms=(), seed: int = 0) -> dict:
@@ -131,3 +161,51 @@ def rank_memory(cfg: ModelConfig, micro_batch: int, ms, kinds=("gpipe", "1f1b"),
             r = rank_step(cfg, x, y, kind, m, seed, model=model)
             out[(kind, m)] = dict(peak=r["act_peak"], per_mb=r["act_per_mb"][0])
     return out
+
+
+TORCH_CHUNKED = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+
+
+def rank_beyond_1f1b(cfg: ModelConfig, batch: int, m: int, v: int = 2, seed: int = 0,
+                     kinds=("1f1b", "interleaved", "zb-h1"), torch_names=TORCH_CHUNKED) -> dict:
+    """Section 9 of lesson 03 on this rank: our 1F1B, interleaved 1F1B (v chunks) and ZB-H1 on one batch, and
+    torch.distributed.pipelining's multi-chunk schedules on the same model and micro-batches.
+    Returns per schedule: losses, grads, timeline, act_peak, act_per_mb, messages, bytes_sent (ours); losses and
+    grads, or error (torch's)."""
+    x, y = random_batches(cfg, batch, seed=seed)[0]
+    out = {kind: rank_step(cfg, x, y, kind, m, seed, v=v) for kind in kinds}
+    for name in torch_names:
+        out[name] = rank_torch_chunked_step(cfg, x, y, name, m, v, seed)
+    return out
+
+
+def op_times(timelines: list[list[dict]]) -> dict[str, float]:
+    """Median duration of each kind of op (F, B, W) over all ranks of a measured step, in seconds."""
+    kinds = sorted({op["kind"] for ops in timelines for op in ops})
+    return {k: statistics.median(op["end"] - op["start"] for ops in timelines for op in ops if op["kind"] == k)
+            for k in kinds}
+
+
+def bubble_rows(sweep: dict, p: int, v: int = 2) -> list[dict]:
+    """Per (schedule, m) of a `rank_bubble_sweep`: the measured bubble; the simulated one (`simulate` of the same
+    orders with every op's measured duration, instant messages and no other waiting: unequal chunks and slow ops
+    count, message time and waiting do not); and the formula's, with the median F, B, W times where it needs them:
+    (p-1)/(m+p-1) for 1F1B, (p-1)/(v m+p-1) for interleaved, `theory.pipeline.zero_bubble_fraction` for ZB-H1.
+    The formulas assume equal stages (chunks) and free messages."""
+    from course_lib import theory
+
+    rows = []
+    for (kind, m), r in sweep.items():
+        t = op_times(r["timelines"])
+        orders = schedule_orders(kind, p, m, v if kind in CHUNKED else 1)
+        durations = [[op["end"] - op["start"] for op in ops] for ops in r["timelines"]]
+        simulated = bubble_of(simulate(orders, durations=durations))
+        if kind == "interleaved":
+            formula = theory.pipeline.interleaved_bubble_fraction(p, m, v)
+        elif kind == "zb-h1":
+            formula = theory.pipeline.zero_bubble_fraction(p, m, t["F"], t["B"], t["W"])
+        else:
+            formula = theory.pipeline.bubble_fraction(p, m)
+        rows.append(dict(kind=kind, m=m, measured=r["bubble"], bubbles=r["bubbles"], simulated=simulated,
+                         formula=formula, times=t))
+    return rows

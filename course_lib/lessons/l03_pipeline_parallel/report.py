@@ -11,28 +11,33 @@ import numpy as np
 from course_lib.lessons.common import COLORS
 from course_lib.parallel.pipeline_schedules import bubble_of
 
-__all__ = ["pipeline_gantt", "bubble_figure", "activation_peaks_figure"]
+__all__ = ["pipeline_gantt", "schedules_gantt", "bubble_figure", "activation_peaks_figure"]
 
 
 def pipeline_gantt(timelines: list[list[dict]], hardware: str, title: str = "Pipeline timeline", ax=None,
                    xlabel: str = "time (s)"):
-    """Gantt chart of one pipelined step: a row per rank, forward (blue) and backward (orange) boxes
-    labelled with their micro-batch, idle time left blank (lesson 03). ``timelines[rank]`` holds dicts
-    ``kind, mb, start, end`` (seconds or any unit) as returned by ``run_schedule`` or ``simulate``."""
+    """Gantt chart of one pipelined step: a row per rank, forward (blue), backward (orange) and weight-gradient W
+    (green, zero-bubble schedules) boxes labelled with their micro-batch (and chunk as ``F3.1`` when ranks hold
+    several; later chunks drawn lighter), idle time left blank (lesson 03). ``timelines[rank]`` holds dicts
+    ``kind, mb, start, end`` (optionally ``chunk``; seconds or any unit) as returned by ``run_schedule`` or
+    ``simulate``."""
     fig = None
     if ax is None:
         fig, ax = plt.subplots(figsize=(8, 0.55 * len(timelines) + 1.2))
-    colors = {"F": COLORS["compute"], "B": COLORS["communication"]}
+    colors = {"F": COLORS["compute"], "B": COLORS["communication"], "W": COLORS["optimizer"]}
+    chunked = any(op.get("chunk", 0) for ops in timelines for op in ops)
     t0 = min(op["start"] for ops in timelines for op in ops)
     span = max(op["end"] for ops in timelines for op in ops) - t0
     for rank, ops in enumerate(timelines):
         ax.barh(rank, span, left=0, color=COLORS["idle"], alpha=0.35, height=0.8)
         for op in ops:
-            w = op["end"] - op["start"]
-            ax.barh(rank, w, left=op["start"] - t0, color=colors[op["kind"]], edgecolor="white", height=0.8)
+            w, c = op["end"] - op["start"], op.get("chunk", 0)
+            ax.barh(rank, w, left=op["start"] - t0, color=colors[op["kind"]], alpha=1.0 if c == 0 else 0.6,
+                    edgecolor="white", height=0.8)
             if w > span / 60:
-                ax.text(op["start"] - t0 + w / 2, rank, f"{op['kind']}{op['mb']}", ha="center", va="center",
-                        fontsize=7, color="white")
+                label = f"{op['kind']}{op['mb']}" + (f".{c}" if chunked else "")
+                ax.text(op["start"] - t0 + w / 2, rank, label, ha="center", va="center",
+                        fontsize=7 if not chunked else 6, color="white")
     ax.set_yticks(range(len(timelines)), [f"rank {r}" for r in range(len(timelines))])
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
@@ -40,6 +45,15 @@ def pipeline_gantt(timelines: list[list[dict]], hardware: str, title: str = "Pip
     if fig is not None:
         fig.tight_layout()
     return fig if fig is not None else ax.figure
+
+
+def schedules_gantt(timelines: dict[str, list[list[dict]]], hardware: str, xlabel: str = "time (s)"):
+    """One Gantt chart per schedule, stacked on a common time axis (lesson 03, section 9)."""
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 1.6 * len(timelines) + 0.6), sharex=True)
+    for ax, (name, tl) in zip(np.atleast_1d(axes), timelines.items()):
+        pipeline_gantt(tl, hardware, title=name, ax=ax, xlabel=xlabel)
+    fig.tight_layout()
+    return fig
 
 
 def bubble_figure(rows: list[dict], p: int, hardware: str):
