@@ -5,6 +5,9 @@
     python3 course.py test    create .venv the first time, install, run every test (pytest + nbval, and the
                               browser test where Chromium is installed: see below)
     python3 course.py test --browser   only the browser test: every lesson in JupyterLab in headless Chromium
+    python3 course.py test --fast      the maintainer's loop: every unit and multi-rank test, without the tests
+                              marked slow (lessons under nbval or in the browser, grading every notebook, real lab
+                              reports): a few minutes; CI runs the whole command
     python3 course.py ARGS    anything else goes to the `course` command inside .venv (doctor, run, build, grade)
 
 The environment is re-installed when pyproject.toml changes, or when a command needs an extra that is not installed
@@ -108,8 +111,9 @@ def test_workers(extra: list[str]) -> list[str]:
     return ["-n", str(n), "--dist", "loadscope", "--no-loadscope-reorder"] if n > 1 else []
 
 
-def run_tests(extra: list[str], browser: str) -> int:
-    """Run the tests; ``browser`` is "only" (just the browser test), "lessons" (it runs too) or "" (it skips)."""
+def run_tests(extra: list[str], browser: str, fast: bool = False) -> int:
+    """Run the tests; ``browser`` is "only" (just the browser test), "lessons" (it runs too) or "" (it skips);
+    ``fast``: only tests/, without the tests marked slow (pyproject.toml's ``markers``)."""
     env = dict(os.environ, **TEST_ENV)
     if browser:
         env["COURSE_BROWSER"] = "required"
@@ -122,6 +126,8 @@ def run_tests(extra: list[str], browser: str) -> int:
             print("exercises/ is out of date: run `python3 course.py build` and commit the result", file=sys.stderr)
             return status
         paths = [p for p in TEST_PATHS if (ROOT / p).exists()]
+    if fast:
+        paths, extra = ["tests"], ["-m", "not slow", *extra]
     cmd = [str(BIN / "python"), "-m", "pytest", *NBVAL_ARGS, *test_workers(extra), *paths, *extra]
     print("running:", " ".join(cmd), flush=True)
     return subprocess.call(cmd, cwd=ROOT, env=env)
@@ -133,15 +139,18 @@ def main(argv: list[str]) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     browser = ""
+    fast = command == "test" and "--fast" in rest
     if command == "test":
-        browser = "only" if "--browser" in rest else "lessons" if CHROMIUM.is_file() else ""
-        rest = [a for a in rest if a != "--browser"]
+        browser = "only" if "--browser" in rest else "" if fast or not CHROMIUM.is_file() else "lessons"
+        rest = [a for a in rest if a not in ("--browser", "--fast")]
+        if fast and browser:
+            fail("--fast leaves the browser test out and --browser runs only it: pick one")
         if browser == "only" and not CHROMIUM.is_file():
             fail(f"the browser test needs Chromium at {CHROMIUM}: sudo apt-get install chromium fonts-noto-cjk "
                  f"(or set COURSE_CHROMIUM to a Chromium binary)")
     ensure_env(["test", "browser"] if browser else ["test"])
     if command == "test":
-        return run_tests(rest, browser)
+        return run_tests(rest, browser, fast)
     if command == "install":
         return 0
     if command == "lab" and os.name == "posix":

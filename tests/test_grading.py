@@ -26,6 +26,8 @@ from course_lib.grading import commands, grade
 from course_lib.grading import notebook as nbio
 from course_lib.grading.check import CheckFailed, check_close, check_equal, check_shape, check_true
 
+pytestmark = pytest.mark.slow     # grades every notebook of the course: minutes (`course.py test --fast` leaves it out)
+
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "solutions"
 EXERCISES = ROOT / "exercises"

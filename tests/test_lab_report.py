@@ -183,6 +183,7 @@ def quick_report(tmp_path_factory):
     return proc, out
 
 
+@pytest.mark.slow
 def test_quick_report_of_a_real_lesson(quick_report):
     """Both lessons run; every comparison against a formula or a library twin passes; the exit code follows the
     report. Timing comparisons (a band, ``expected=(lo, hi)``) are recorded but not required to pass here: on a
@@ -206,6 +207,7 @@ def test_quick_report_of_a_real_lesson(quick_report):
     assert "lab report:" in proc.stdout and f"exit code {report['exit_code']}" in proc.stdout
 
 
+@pytest.mark.slow
 def test_quick_report_shows_in_chromium(quick_report):
     """The index opened from the file system in headless Chromium shows the comparisons table and a decoded plot;
     the screenshot is kept beside the report."""

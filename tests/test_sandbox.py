@@ -212,6 +212,7 @@ def points(res: dict) -> dict[str, float]:
     return {r["exercise"]: r["points"] for r in res["exercises"]}
 
 
+@pytest.mark.slow    # grades submissions in the sandbox: the `graded` fixture takes a minute or more
 def test_a_correct_submission_scores_full_marks_in_the_sandbox(graded):
     for name in ("00_good", "zz_good"):
         res = graded["results"][name]
@@ -222,6 +223,7 @@ def test_a_correct_submission_scores_full_marks_in_the_sandbox(graded):
 @pytest.mark.parametrize("name", ["read_checkout", "read_solutions", "read_classmate", "read_home",
                                   "write_outside", "write_checkout", "write_solutions", "net_loopback", "net_external",
                                   "memory", "fork_bomb", "patch_course_lib", "plant_pth", "leave_process"])
+@pytest.mark.slow
 def test_an_attack_costs_its_exercise_only(graded, name):
     if name not in graded["results"]:
         pytest.skip("not run: no process cap here (rlimits only, as root)")
@@ -230,6 +232,7 @@ def test_an_attack_costs_its_exercise_only(graded, name):
     assert not res["warnings"], res["warnings"]
 
 
+@pytest.mark.slow
 def test_a_forged_record_is_not_read(graded):
     res = graded["results"]["forge_record"]
     assert res["points"] == 0, statuses(res)
@@ -237,12 +240,14 @@ def test_a_forged_record_is_not_read(graded):
     assert set(statuses(res).values()) == {stopped}
 
 
+@pytest.mark.slow
 def test_reads_outside_the_temp_folder_find_nothing(graded):
     assert CHECKOUT_SOLUTION.is_file()  # it is there, outside the sandbox
     for name in ("read_checkout", "read_solutions", "read_classmate", "read_home"):
         assert "FileNotFoundError" in statuses(graded["results"][name])["sb-answer"], name
 
 
+@pytest.mark.slow
 def test_writes_outside_the_temp_folder_change_nothing(graded):
     assert not Path(graded["paths"]["outside"]).exists()
     assert grade.Solutions(graded["solutions"]).notebooks[LESSON].cells  # still the official notebook
@@ -253,6 +258,7 @@ def test_writes_outside_the_temp_folder_change_nothing(graded):
     assert not (PATCHED.parents[1] / "sandbox-escaped.txt").exists()
 
 
+@pytest.mark.slow
 def test_the_network_is_only_the_sandboxs_own_loopback(graded):
     assert graded["server"].connections == 0
     st = statuses(graded["results"]["net_loopback"])["sb-answer"]
@@ -261,6 +267,7 @@ def test_the_network_is_only_the_sandboxs_own_loopback(graded):
     assert "Network is unreachable" in st, (graded["host_ip"], st)
 
 
+@pytest.mark.slow
 def test_memory_and_process_caps_name_the_limit(graded):
     if sandbox.caps_via() == "rlimit":
         pytest.skip("no writable cgroup here: the caps are rlimits (per process; no process cap for root)")
@@ -269,6 +276,7 @@ def test_memory_and_process_caps_name_the_limit(graded):
     assert st == "process limit (48 processes and threads) reached", st
 
 
+@pytest.mark.slow
 def test_nothing_is_left_behind_and_the_next_submission_is_not_slower(graded):
     assert graded["marked"] == [] and graded["leftovers"] == [] and tagged_leftovers() == []
     assert graded["cgroups"] == set()
