@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from course_lib.reference import reference_for
 
-__all__ = ["ByteCounter", "chunk_sizes", "send_recv", "ring_all_reduce", "ring_bytes_sent", "ring_bytes_formula"]
+__all__ = ["ByteCounter", "chunk_sizes", "batch_send_recv", "send_recv", "ring_all_reduce", "ring_bytes_sent", "ring_bytes_formula"]
 
 
 @dataclasses.dataclass
@@ -69,20 +69,24 @@ def _global(group, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def send_recv(send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None,
-              group=None) -> None:
-    """Send `send` to global rank `dst` while receiving into `recv` from global rank `src`, posted together with
-    ``dist.batch_isend_irecv`` and waited for (None or empty tensors are skipped). NCCL runs the messages between
-    two ranks in one queue: a send and a receive between the same two ranks posted apart can wait on each other
-    there (a deadlock that gloo forgives, `course_lib.nccl_rules`), so every pair that travels together goes here
-    (lessons 02 and 03)."""
-    ops = []
-    if send is not None and send.numel():
-        ops.append(dist.P2POp(dist.isend, send, dst, group))
-    if recv is not None and recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, src, group))
+def batch_send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+                    group=None) -> None:
+    """Send every ``(tensor, dst)`` and receive into every ``(buffer, src)`` (global ranks), all posted together with
+    ``dist.batch_isend_irecv`` and waited for (empty tensors are skipped). NCCL runs the messages between two ranks in
+    one queue: a send and a receive between the same two ranks posted apart can wait on each other there (a deadlock
+    that gloo forgives, `course_lib.nccl_rules`), so every set of messages that travels together goes here (lessons
+    02 and 03)."""
+    ops = [dist.P2POp(dist.isend, t, dst, group) for t, dst in sends if t.numel()]
+    ops += [dist.P2POp(dist.irecv, buf, src, group) for buf, src in recvs if buf.numel()]
     for req in dist.batch_isend_irecv(ops) if ops else []:
         req.wait()
+
+
+def send_recv(send: torch.Tensor | None, dst: int | None, recv: torch.Tensor | None, src: int | None,
+              group=None) -> None:
+    """Send `send` to global rank `dst` while receiving into `recv` from global rank `src` (`batch_send_recv` of
+    one message each way; None is skipped)."""
+    batch_send_recv([(send, dst)] if send is not None else [], [(recv, src)] if recv is not None else [], group)
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group,

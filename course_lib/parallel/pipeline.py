@@ -33,7 +33,7 @@ import torch.nn as nn
 from course_lib import measure
 from course_lib.config import ConfigError
 from course_lib.model import lm_loss
-from course_lib.parallel.collectives import send_recv
+from course_lib.parallel.collectives import batch_send_recv
 from course_lib.parallel.pipeline_messages import adjacent_plan
 from course_lib.parallel.pipeline_schedules import op_parts, split_stages, validate_interleaving, validate_order
 from course_lib.parallel.split_backward import backward_input, backward_weight, record_param_outputs
@@ -117,33 +117,19 @@ class P2P:
                  dtype=torch.float32) -> torch.Tensor | None:
         """Send ``send = (tensor, to)`` and receive ``recv = (shape, from)`` (either may be None) as one batch, and
         wait for both. Returns the received tensor (or None)."""
-        t = buf = to = frm = None
-        if send is not None:
-            t, to = send[0].detach().contiguous(), self._peer(send[1])
-            self.bytes_sent += t.numel() * t.element_size()
-        if recv is not None:
-            buf, frm = torch.empty(recv[0], dtype=dtype, device=self.device), self._peer(recv[1])
-        send_recv(t, to, buf, frm, self.group)
-        return buf
+        got = self.post([send] if send is not None else [], [recv] if recv is not None else [], dtype)
+        return got[0] if got else None
 
     def post(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tuple, int]],
              dtype=torch.float32) -> list[torch.Tensor]:
         """Post every ``(tensor, to)`` send and ``(shape, from)`` receive in one ``dist.batch_isend_irecv`` and wait
-        for all: `exchange` for several messages at once (interleaved schedules, where rank p - 1 also sends to
-        rank 0 and, on p = 2, both directions of the ring join the same two ranks). Returns the received tensors."""
-        if len(sends) <= 1 and len(recvs) <= 1:
-            got = self.exchange(sends[0] if sends else None, recvs[0] if recvs else None, dtype)
-            return [got] if recvs else []
-        ops, bufs = [], []
-        for t, to in sends:
-            t = t.detach().contiguous()
-            self.bytes_sent += t.numel() * t.element_size()
-            ops.append(dist.P2POp(dist.isend, t, self._peer(to), self.group))
-        for shape, frm in recvs:
-            bufs.append(torch.empty(shape, dtype=dtype, device=self.device))
-            ops.append(dist.P2POp(dist.irecv, bufs[-1], self._peer(frm), self.group))
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+        for all (`collectives.batch_send_recv`): several messages at once for interleaved schedules, where rank
+        p - 1 also sends to rank 0 and, on p = 2, both directions of the ring join the same two ranks. Returns the
+        received tensors."""
+        sends = [(t.detach().contiguous(), self._peer(to)) for t, to in sends]
+        self.bytes_sent += sum(t.numel() * t.element_size() for t, _ in sends)
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, _ in recvs]
+        batch_send_recv(sends, [(buf, self._peer(frm)) for buf, (_, frm) in zip(bufs, recvs)], self.group)
         return bufs
 
     def send(self, t: torch.Tensor, to: int) -> None:
