@@ -328,7 +328,14 @@ def tokens_per_s(tokens: int, seconds: float) -> float:
 
 
 def mfu(flops_per_s: float, peak_flops_per_s: float) -> float:
-    """Model FLOPs utilisation: achieved model FLOP/s over peak FLOP/s (a fraction, 0..1)."""
+    """Model FLOPs utilisation: achieved model FLOP/s over peak FLOP/s (a fraction, 0..1); from a throughput,
+    ``mfu(tokens_per_s_per_gpu * flops_per_token, peak)``.
+
+    ``peak_flops_per_s`` must be the *dense* peak of the dtype the matmuls run in (H100 SXM bf16: 989.4e12,
+    ``GPU_SPECS["H100"]``), not the datasheet's headline 1,979e12, which assumes 2:4 structured sparsity (NVIDIA's
+    H100 table marks it "* Shown with sparsity. Specifications 1/2 lower without sparsity"). torchtitan divides by
+    the same number (``torchtitan/tools/utils.py``, ``get_peak_flops``: "# NOTE: Specifications are one-half lower
+    without sparsity." ... ``return 989e12`` for H100 SXM)."""
     return flops_per_s / peak_flops_per_s
 
 
@@ -370,19 +377,22 @@ def flop_counter_mapping() -> dict:
     return mapping
 
 
-def count_flops(fn: Callable[[], object], model_flops: bool = True) -> int:
+def count_flops(fn: Callable[[], object], model_flops: bool = True, by_op: bool = False) -> int | dict[str, int]:
     """FLOPs executed by ``fn()`` as counted by ``torch.utils.flop_counter.FlopCounterMode``.
 
     Counts matmuls (mm, addmm, bmm, attention) only: 2 FLOPs per multiply-add. Elementwise ops,
     softmax, layer norm, the loss and the optimizer step are not counted (they are a small
     fraction of a transformer's FLOPs, and are memory-bound anyway).
     With ``model_flops=True`` attention uses :func:`flop_counter_mapping` (CPU kernel counted,
-    no recompute); with ``False`` the stock counter is used unchanged.
+    no recompute); with ``False`` the stock counter is used unchanged. ``by_op=True`` returns the count per op
+    (``{"aten.mm": ..., ...}``, summing to the total) instead of the total.
     """
     from torch.utils.flop_counter import FlopCounterMode
     mapping = flop_counter_mapping() if model_flops else None
     with FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         fn()
+    if by_op:
+        return {str(op): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
     return int(counter.get_total_flops())
 
 

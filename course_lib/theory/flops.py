@@ -25,7 +25,7 @@ of the attention matrix skipped. ``causal=True`` gives that convention.
 The conventions of others, one function each (lesson 01, section 1.5; ``FLOP_CONVENTIONS`` names them all):
 :func:`palm_flops_per_token` (6N + 12 L H Q T, N every parameter), :func:`megatron_flops_per_token` (Narayanan et
 al. 2021, with or without the recomputation term), :func:`torchtitan_flops_per_token`; :func:`hardware_flops_per_token`
-counts what recomputation adds (HFU's numerator), and :func:`mfu_from_throughput` divides by the *dense* peak.
+counts what recomputation adds (HFU's numerator); `course_lib.measure.mfu` divides by the *dense* peak.
 """
 
 from __future__ import annotations
@@ -187,22 +187,6 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, recom
     if recompute == "full":
         return 8 * layers + 6 * head + attn * 16 / 12
     raise ValueError(f"recompute={recompute!r}: pick 'none', 'attention' or 'full'")
-
-
-def mfu_from_throughput(tokens_per_s_per_gpu: float, flops_per_token_: float, peak_flops_per_s: float) -> float:
-    """MFU (PaLM, appendix B) from a throughput: tokens/s per GPU x model FLOPs per token / the GPU's dense peak.
-
-    ``peak_flops_per_s`` must be the *dense* peak of the dtype the matmuls run in (H100 SXM bf16: 989.4e12,
-    ``measure.GPU_SPECS["H100"]``), not the datasheet's headline 1,979e12, which assumes 2:4 structured sparsity
-    (NVIDIA's H100 table marks it "* Shown with sparsity. Specifications 1/2 lower without sparsity"). torchtitan
-    divides by the same number (``torchtitan/tools/utils.py``, ``get_peak_flops``):
-
-        # NOTE: Specifications are one-half lower without sparsity.
-        ...
-        else:  # for H100 SXM and other variants
-            return 989e12
-    """
-    return tokens_per_s_per_gpu * flops_per_token_ / peak_flops_per_s
 
 
 FLOP_CONVENTIONS = {

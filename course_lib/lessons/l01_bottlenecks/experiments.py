@@ -424,15 +424,12 @@ def counted_flops(cfg, batch: int = 1, seed: int = 0) -> dict:
     over the full s x s matrix: torch's ``sdpa_flop`` says "NB: We aren't accounting for causal attention here").
     Softmax, norms, GELU, the loss and the optimizer are not counted.
     """
-    from torch.utils.flop_counter import FlopCounterMode
     torch.manual_seed(seed)
     model = build_model(cfg)
     idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
-    with FlopCounterMode(display=False, custom_mapping=measure.flop_counter_mapping()) as counter:
-        model.loss(idx, idx).backward()
-    by_op = counter.get_flop_counts()["Global"]
-    attention = sum(v for op, v in by_op.items() if "attention" in str(op))
-    total = counter.get_total_flops()
+    by_op = measure.count_flops(lambda: model.loss(idx, idx).backward(), by_op=True)
+    attention = sum(v for op, v in by_op.items() if "attention" in op)
+    total = sum(by_op.values())
     n = idx.numel()
     return {"total": total / n, "matmul": (total - attention) / n, "attention": attention / n,
             "preset": cfg.name, "tokens": n, "hardware": measure.hardware_label(device="cpu")}
@@ -447,16 +444,16 @@ def causal_attention_flops(batch: int = 2, heads: int = 4, seq_len: int = 64, he
     ``formula_causal`` are 2 x 2 x b h s^2 d x 3 (forward + backward) and half of it.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
+
+    def step(q, k, v, causal: bool) -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+
     out = {}
     for causal in (False, True):
         for path in ("math", "kernel"):
             q, k, v = (torch.randn(batch, heads, seq_len, head_dim, requires_grad=True) for _ in range(3))
-            mapping = measure.flop_counter_mapping() if path == "kernel" else None
-            backend = SDPBackend.MATH if path == "math" else SDPBackend.FLASH_ATTENTION
-            with sdpa_kernel(backend), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
-                F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
-            out[(path, causal)] = counter.get_total_flops()
+            with sdpa_kernel(SDPBackend.MATH if path == "math" else SDPBackend.FLASH_ATTENTION):
+                out[(path, causal)] = measure.count_flops(lambda: step(q, k, v, causal), model_flops=path == "kernel")
     full = 3 * 2 * 2 * batch * heads * seq_len ** 2 * head_dim
     return {"math_full": out[("math", False)], "math_causal": out[("math", True)],
             "kernel_full": out[("kernel", False)], "kernel_causal": out[("kernel", True)],
