@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 
 from course_lib.config import ModelConfig, get_preset
@@ -339,9 +340,14 @@ def predict(run: PublishedRun, kernel_efficiency: float) -> Estimate:
                     kernel_efficiency, grad_bytes=run.grad_bytes, elementwise=run.kernels)
 
 
+def tflops_of(run: PublishedRun, est: Estimate) -> float:
+    """TFLOP/s per GPU of the run at the step time of ``est``, counted as the source counts them."""
+    return source_flops(run) / (run.cluster.n_gpus * est.time["total"]) / 1e12
+
+
 def predicted_tflops(run: PublishedRun, kernel_efficiency: float) -> float:
     """TFLOP/s per GPU the planner predicts, counted as the source counts them."""
-    return source_flops(run) / (run.cluster.n_gpus * predict(run, kernel_efficiency).time["total"]) / 1e12
+    return tflops_of(run, predict(run, kernel_efficiency))
 
 
 def calibrate(run: PublishedRun) -> float:
@@ -411,19 +417,11 @@ def throughput_table(runs=THROUGHPUT_RUNS, calibration: str = CALIBRATION, rank:
     out = []
     for r in runs:
         est = predict(r, eff)
-        pred = source_flops(r) / (r.cluster.n_gpus * est.time["total"]) / 1e12
-        base = cal_fraction * GPU_SPECS[r.gpu].bf16_tflops
-        t = Throughput(r, est, pred, base)
+        t = Throughput(r, est, tflops_of(r, est), cal_fraction * GPU_SPECS[r.gpu].bf16_tflops)
         if rank:
             t.rank, t.n_feasible, t.best = rank_among_layouts(r, eff)
         out.append(t)
     return eff, out
-
-
-def _median(xs: list) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def throughput_summary(rows: list, calibration: str = CALIBRATION) -> str:
@@ -431,8 +429,8 @@ def throughput_summary(rows: list, calibration: str = CALIBRATION) -> str:
     scored = [t for t in rows if t.run.scored and t.run.name != calibration]
     err = [abs(t.error) * 100 for t in scored]
     base = [abs(t.baseline_error) * 100 for t in scored]
-    return (f"published throughput: {len(scored)} runs, median |error| {_median(err):.1f} %, max |error| "
-            f"{max(err):.1f} % (constant baseline: median {_median(base):.1f} %, max {max(base):.1f} %)")
+    return (f"published throughput: {len(scored)} runs, median |error| {statistics.median(err):.1f} %, max |error| "
+            f"{max(err):.1f} % (constant baseline: median {statistics.median(base):.1f} %, max {max(base):.1f} %)")
 
 
 def throughput_text(eff: float, rows: list, calibration: str = CALIBRATION) -> str:
