@@ -118,8 +118,8 @@ def interleaved_order(p: int, v: int, m: int, rank: int) -> list[Op]:
     warm-up:   w = min(2 (p - rank - 1) + (v - 1) p, v m) chunk-forwards (all v m when m = p)
     steady:    v m - w pairs (forward number w + k, backward number k)
     cool-down: the w backwards still owed.
-    m must be a multiple of p (`validate_interleaving`). With v = 1 and m > p it is 1F1B's order (chunk 0 written out);
-    with m = p every forward comes first, as in Megatron-LM.
+    m must be a multiple of p (`validate_interleaving`). With v = 1 it is not 1F1B's order: Megatron-LM's warm-up
+    2 (p - rank - 1) is twice 1F1B's. With m = p every forward comes first, as in Megatron-LM.
     """
     _validate(p, m, rank)
     validate_interleaving(p, v, m)
