@@ -68,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from course_lib.measure import hardware_label
+    from course_lib.hardware import hardware_label
 
     print(f"hardware: {hardware_label()}")
     cold_start(args.repeats)

@@ -114,8 +114,8 @@ def main() -> None:
     parser.add_argument("--lessons", action="store_true", help="also time lessons 00-07 (about 10 minutes)")
     parser.add_argument("--tests", action="store_true", help="also time the test command (about 25 minutes)")
     args = parser.parse_args()
+    from course_lib.hardware import hardware_label
     from course_lib.launch import resolve_backend
-    from course_lib.measure import hardware_label
 
     print(f"hardware: {hardware_label(resolve_backend('auto', 2))}, {os.cpu_count()} logical CPUs")
     trivial_job()

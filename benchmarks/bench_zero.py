@@ -22,9 +22,9 @@ TARGET = 0.8
 
 def _bench(cfg: ModelConfig, global_batch: int, steps: int, rounds: int) -> dict:
     from course_lib import dist as cdist
-    from course_lib.measure import hardware_label
     from course_lib.data import random_batches
-    from course_lib.lessons.common import train_variant
+    from course_lib.hardware import hardware_label
+    from course_lib.lessons.variants import train_variant
 
     batches = random_batches(cfg, global_batch, steps)
     times = {"zero3": [], "fsdp2": []}

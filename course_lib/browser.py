@@ -168,7 +168,7 @@ class Lab:
     def start(self) -> None:
         from playwright.sync_api import sync_playwright
 
-        from course_lib.cli import lab_flags, write_lab_settings
+        from course_lib.lab_settings import lab_flags, write_lab_settings
 
         write_lab_settings()
         self.run_dir.mkdir(parents=True, exist_ok=True)

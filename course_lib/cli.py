@@ -12,19 +12,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from course_lib.catalog import lessons
+from course_lib.lab_settings import lab_flags, write_lab_settings
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def lessons(folder: str = "notebooks") -> dict[str, Path]:
-    """{'00': Path('notebooks/00_getting_started.ipynb'), ...}"""
-    return {p.name[:2]: p for p in sorted((ROOT / folder).glob("[0-9][0-9]_*.ipynb"))}
 
 
 # ------------------------------------------------------------------------------------------ doctor
@@ -112,25 +109,6 @@ def doctor(nprocs: int = 2, timeout_s: float = 120) -> int:
 
 # --------------------------------------------------------------------------------------------- lab
 
-LAB_SETTINGS = {
-    # No "Jupyter news" prompt and no update checks for learners (no internet needed).
-    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
-    # Open every notebook on the course kernel without asking which kernel to use.
-    # Render every cell (no lazy "windowing"): lessons are short, and outputs stay in place when scrolling.
-    "@jupyterlab/notebook-extension:tracker": {"autoStartDefaultKernel": True, "windowingMode": "none"},
-}
-
-
-def write_lab_settings(prefix: str | Path = sys.prefix) -> Path:
-    """Write JupyterLab's overrides.json into this environment (idempotent)."""
-    path = Path(prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    current = json.loads(path.read_text()) if path.exists() else {}
-    current.update(LAB_SETTINGS)
-    path.write_text(json.dumps(current, indent=2))
-    return path
-
-
 INDEX = "notebooks/index.ipynb"
 # JupyterLab's URL of the index, given as `LabApp.default_url`: Jupyter's printed URLs and its browser-open file go
 # there. (`ServerApp.default_url` does not work under `jupyter lab`: the extension sets it from its own.)
@@ -140,11 +118,6 @@ DEFAULT_PORT = 8888
 
 class LabError(ValueError):
     """Bad input to `course lab`: one line naming what, the flag and the fix; nothing has started."""
-
-
-def lab_flags() -> list[str]:
-    """Jupyter flags the course needs: containers often run as root, which Jupyter refuses by default."""
-    return ["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
 
 
 def _bind_address(ip: str) -> str:

@@ -110,11 +110,11 @@ def compare(name: str, measured: float, expected: float | tuple[float, float], *
             atol: float = 0.0, unit: str = "", against: str = "formula", hardware: str,
             quiet: bool = False) -> Comparison:
     """Record ``measured`` against ``expected`` (see the module docstring), print its line unless ``quiet``, and
-    return it. ``hardware`` is required: every figure names where it was measured (`measure.hardware_label`)."""
+    return it. ``hardware`` is required: every figure names where it was measured (`hardware.hardware_label`)."""
     if not name or not isinstance(name, str):
         raise ValueError("compare: name must be a non-empty string, e.g. 'ring all-reduce bytes, n=4'")
     if not hardware:
-        raise ValueError(f"compare({name!r}): hardware is required, e.g. measure.hardware_label('gloo')")
+        raise ValueError(f"compare({name!r}): hardware is required, e.g. hardware.hardware_label('gloo')")
     if isinstance(expected, (tuple, list)) and (len(expected) != 2 or expected[0] > expected[1]):
         raise ValueError(f"compare({name!r}): a range must be (lo, hi) with lo <= hi, got {expected!r}")
     if rtol < 0 or atol < 0:

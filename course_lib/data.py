@@ -8,8 +8,7 @@
   world_size W gets rows [r*B/W, (r+1)*B/W) of the global batch of step `step` of a corpus.
 * `random_batches()`: global batches of uniformly random token ids, the same on every rank for a seed: the
   data of every experiment that compares a parallel run with one process (the content does not matter
-  there, only that every run sees the same numbers). `course_lib.lessons.common.shard_batch` gives a rank
-  its rows.
+  there, only that every run sees the same numbers). `shard_batch()` gives a rank its rows.
 """
 
 from __future__ import annotations
@@ -240,3 +239,12 @@ def random_batches(cfg, global_batch: int, steps: int = 1, seed: int = 0,
         seq = torch.randint(cfg.vocab_size, (global_batch, T + 1), generator=g)   # (B, T+1)
         out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))          # (B, T), (B, T)
     return out
+
+
+def shard_batch(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s rows of a global batch: (B, ...) -> (B/world, ...). B must divide evenly (lesson 02)."""
+    if t.shape[0] % world:
+        raise ValueError(f"global batch {t.shape[0]} does not split evenly over {world} ranks: "
+                         f"use a multiple of {world}")
+    b = t.shape[0] // world
+    return t[rank * b:(rank + 1) * b]

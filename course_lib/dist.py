@@ -181,3 +181,11 @@ class ProcessGrid(GridLayout):
         c = self._coords
         return (f"ProcessGrid(pp={self.sizes['pp']}, dp={self.sizes['dp']}, tp={self.sizes['tp']}; rank {self.rank} "
                 f"at pp={c['pp']}, dp={c['dp']}, tp={c['tp']})")
+
+
+def global_mean(value: torch.Tensor, group=None) -> float:
+    """The mean over the ranks of `group` of a scalar (a rank's loss on its rows): the loss of the global batch
+    when every rank has as many rows."""
+    t = value.detach().float().clone()
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)

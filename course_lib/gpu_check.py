@@ -2,7 +2,7 @@
 
 On a GPU node it prints a table (check, expected, measured, pass) and exits non-zero when anything fails:
 
-- inventory: torch, CUDA, NCCL, every GPU with the datasheet row it gets (`course_lib.measure.gpu_spec`: a wrong
+- inventory: torch, CUDA, NCCL, every GPU with the datasheet row it gets (`course_lib.hardware.gpu_spec`: a wrong
   row would make every MFU of the course wrong), the CPU and its 16-bit support;
 - the launcher on 1, 2 and all GPUs (NCCL), and on GPUs + 1 ranks, which must fall back to gloo on the CPU;
 - exact results of every collective the course uses (all_reduce, all_gather, reduce_scatter, broadcast, and
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
-from course_lib import measure, nccl_rules, pool, theory
+from course_lib import hardware, measure, memory_stats, nccl_rules, pool, theory
 from course_lib.config import get_preset
 from course_lib.launch import DistributedRunError, run
 from course_lib.procs import usable_cores
@@ -60,13 +60,13 @@ def inventory() -> list[tuple[str, str]]:
         for i in range(torch.cuda.device_count()):
             name = torch.cuda.get_device_name(i)
             gib = torch.cuda.get_device_properties(i).total_memory / 2 ** 30
-            spec = measure.gpu_spec(name)
+            spec = hardware.gpu_spec(name)
             row = f"datasheet row {spec.name!r}: {spec.bf16_tflops:g} TFLOP/s bf16 dense" if spec else \
                 "no datasheet row: the course measures its peak"
             rows.append((f"GPU {i}", f"{name}, {gib:.0f} GiB; {row}"))
     else:
         rows.append(("GPUs", "none: the checks run on CPU ranks over gloo"))
-    rows.append(("CPU", f"{usable_cores()} cores; {measure.describe_cpu_precision()}"))
+    rows.append(("CPU", f"{usable_cores()} cores; {hardware.describe_cpu_precision()}"))
     return rows
 
 
@@ -82,10 +82,13 @@ def _exact(t: torch.Tensor, expected: torch.Tensor) -> bool:
 
 def _rank_checks(big: bool) -> dict:
     """The collectives, the ring canary and the pipeline canaries on this world size; seconds of each canary."""
+    from course_lib.config import small_config
     from course_lib.data import random_batches
-    from course_lib.lessons.common import train_reference
-    from course_lib.lessons.l03_pipeline_parallel.experiments import pipeline_config, rank_step
+    from course_lib.model import build_model
+    from course_lib.one_process import train_reference
     from course_lib.parallel.collectives import ring_all_reduce, send_recv
+    from course_lib.parallel.pipeline import P2P, build_stage, run_schedule, split_microbatches
+    from course_lib.parallel.pipeline_schedules import schedule_orders
 
     dev, r, n = cdist.device(), dist.get_rank(), dist.get_world_size()
     ar = torch.arange(6, dtype=torch.float32)
@@ -116,13 +119,16 @@ def _rank_checks(big: bool) -> dict:
     ring_all_reduce(ring)
     out[f"ring all-reduce, {n} ranks"] = bool((ring == n * (n + 1) / 2).all())
     seconds[f"ring all-reduce, {n} ranks"] = time.perf_counter() - t0
-    cfg = pipeline_config(n_layer=2 * n, d_model=512, n_head=8, seq_len=256) if big else pipeline_config(2 * n)
+    big_sizes = dict(d_model=512, n_head=8, seq_len=256) if big else {}
+    cfg = small_config(n_layer=2 * n, tie_embeddings=False, name="pipeline-test", **big_sizes)  # untied: 2 stages
     micro = 16 if big else 2                                   # big: (16, 256, 512) fp32 messages, 8 MB each
     for kind in ("naive", "gpipe", "1f1b"):
         m = 1 if kind == "naive" else 2 * n
         x_, y_ = random_batches(cfg, micro * m, seed=1)[0]
         t0 = time.perf_counter()
-        res = rank_step(cfg, x_.to(dev), y_.to(dev), kind, m)
+        stage = build_stage(build_model(cfg).to(dev), r, n)              # this rank's blocks of the seeded model
+        res = run_schedule(stage, schedule_orders(kind, n, m)[r], split_microbatches(x_.to(dev), m),
+                           split_microbatches(y_.to(dev), m), P2P(r, n, dev))
         name = f"{kind} pipeline, p = {n}"
         seconds[name] = time.perf_counter() - t0
         if r == n - 1:                                         # the last stage has the losses: one process agrees?
@@ -196,7 +202,7 @@ def _matmul_checks(device: torch.device) -> list[Check]:
         a = torch.randn(n, n, device=device, dtype=dtype)
         s = measure.time_fn(lambda: a @ a, warmup=2, repeats=5, device=device)
         tflops[dtype] = 2 * n ** 3 / s / 1e12
-    spec = measure.gpu_spec(torch.cuda.get_device_name(device)) if gpu else None
+    spec = hardware.gpu_spec(torch.cuda.get_device_name(device)) if gpu else None
     if spec is not None:
         frac = tflops[torch.bfloat16] / spec.bf16_tflops
         out.append(Check(f"bf16 matmul n={n} vs {spec.name}", f"50-95 % of {spec.bf16_tflops:g} TFLOP/s",
@@ -208,7 +214,7 @@ def _matmul_checks(device: torch.device) -> list[Check]:
     if gpu:
         out.append(Check(f"bf16 / fp32 matmul speed, n={n}", ">= 2x (tensor cores)", f"{ratio:.1f}x", ratio >= 2))
     else:
-        native = measure.cpu_features()["bf16"]
+        native = hardware.cpu_features()["bf16"]
         out.append(Check(f"bf16 / fp32 matmul speed, n={n}", "> 1x with native bf16, < 1x without" if native
                          else "< 1x (no native bf16 instructions)", f"{ratio:.2f}x", None))
     return out
@@ -232,7 +238,7 @@ def _memory_check(device: torch.device) -> Check:
         measured = torch.cuda.memory_allocated(device) - before
         expected = theory.memory.training_memory_bytes(cfg, "adamw")["total"]
     else:
-        measured = measure.model_state_bytes(model, opt)["total"]
+        measured = memory_stats.model_state_bytes(model, opt)["total"]
         expected = theory.memory.training_memory_bytes(cfg, "adamw", step_counters=counters)["total"]
     return Check(f"model state of an AdamW step, {cfg.name} ({P / 1e6:.1f} M params)", f"{expected / 1e6:.2f} MB "
                  f"(16 bytes/param{'' if gpu else ' + step counters'})", f"{measured / 1e6:.2f} MB",
@@ -272,6 +278,6 @@ def main(timeout_s: float = 90.0) -> int:
     print("\n".join(f"  {k:<8} {v}" for k, v in inventory()), flush=True)
     print("\nrunning the checks (launches of 1, 2 and 4 ranks; about a minute) ...", flush=True)
     checks = run_checks(timeout_s)
-    hardware = measure.hardware_label("nccl" if torch.cuda.is_available() else "gloo")
-    print("\n" + format_report(checks, hardware))
+    label = hardware.hardware_label("nccl" if torch.cuda.is_available() else "gloo")
+    print("\n" + format_report(checks, label))
     return 1 if any(c.ok is False for c in checks) else 0

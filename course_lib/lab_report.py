@@ -15,7 +15,7 @@ kernel with one progress bar (lesson, cell, elapsed, remaining estimated from th
   ``DIR/NN_name.comparisons.jsonl`` (the records of each lesson's run, beside its executed notebook).
 
 ``--quick`` sets ``COURSE_QUICK=1`` in the kernels: every lesson runs its reduced CPU sizes
-(`lessons.common.by_device`), to check that the course runs (CI, a laptop); GPUs keep their sizes. The exit code
+(`lessons.sizes.by_device`), to check that the course runs (CI, a laptop); GPUs keep their sizes. The exit code
 is 1 when a lesson failed, a comparison was out of tolerance or a self-test check failed, else 0.
 """
 
@@ -166,14 +166,14 @@ def run_report(keys: list[str], found: dict[str, Path], out: Path, quick: bool =
     from tqdm.auto import tqdm
 
     from course_lib import gpu_check as node_check
-    from course_lib import measure
+    from course_lib import hardware
 
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     report = {"version": VERSION, "created": datetime.datetime.now().isoformat(timespec="seconds"),
               "quick": quick, "command": " ".join(["course", "lab-report", *sys.argv[2:]]) if sys.argv else "",
               "inventory": [list(row) for row in node_check.inventory()], "gpu_check": [], "lessons": []}
-    report["hardware"] = measure.hardware_label("nccl" if torch.cuda.is_available() else "gloo")
+    report["hardware"] = hardware.hardware_label("nccl" if torch.cuda.is_available() else "gloo")
     if gpu_check:
         print("course gpu-check (the node's self-test; about a minute) ...", flush=True)
         t0 = time.perf_counter()
@@ -397,7 +397,7 @@ def compare_html(a: dict, b: dict, names: tuple[str, str]) -> str:
 
 def main(args) -> int:
     """``course lab-report`` (arguments from `course_lib.cli`)."""
-    from course_lib.cli import lessons
+    from course_lib.catalog import lessons
 
     out = Path(args.out)
     if args.compare:

@@ -133,7 +133,7 @@ class Engine:
         self._no_sync = getattr(self.net, "no_sync", None)
 
     def _init_deepspeed(self, model, layout: dict) -> None:
-        from course_lib.lessons.common import import_deepspeed
+        from course_lib.parallel.deepspeed_config import import_deepspeed
 
         deepspeed = import_deepspeed()
         conf = deepspeed_settings(self.cfg, layout)
@@ -202,10 +202,10 @@ def deepspeed_settings(cfg, layout: dict) -> dict:
     """The [deepspeed] JSON as written, checked against the run and adapted only where this machine needs it.
 
     Batch sizes must agree with [data] (DeepSpeed itself requires train_batch_size = micro x accumulation x dp).
-    On a CPU: fp16 becomes bf16 where DeepSpeed refuses fp16 (no AVX512-FP16: `measure.cpu_features`), and its
+    On a CPU: fp16 becomes bf16 where DeepSpeed refuses fp16 (no AVX512-FP16: `hardware.cpu_features`), and its
     AdamW is torch's (``torch_adam``): DeepSpeed's fused Adam is a compiled GPU kernel."""
     from course_lib.config import ConfigError
-    from course_lib.lessons.common import deepspeed_accepts_fp16
+    from course_lib.parallel.deepspeed_config import deepspeed_accepts_fp16
 
     conf = json.loads(json.dumps(cfg.deepspeed))
     want = {"train_batch_size": cfg.data.global_batch, "train_micro_batch_size_per_gpu": cfg.data.micro_batch,

@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from course_lib import measure  # noqa: E402
+from course_lib import hardware, measure  # noqa: E402
 from course_lib.lessons.l01_bottlenecks import experiments as bottleneck_lab  # noqa: E402
 from course_lib.lessons.l01_bottlenecks import report as bottleneck_report  # noqa: E402
 from course_lib.theory import comm, flops, memory  # noqa: E402
@@ -64,12 +64,12 @@ def test_single_device_benchmarks_small():
     assert kinds == {"matmul", "elementwise", "layernorm", "attention"}
     for p in pts:
         assert p["intensity"] == p["flops"] / p["bytes"]
-    fig = bottleneck_report.roofline_figure(pts, 1e11, 1e10, measure.hardware_label())
+    fig = bottleneck_report.roofline_figure(pts, 1e11, 1e10, hardware.hardware_label())
     assert fig.axes
 
 
 def test_plots_build():
-    label = measure.hardware_label("gloo")
+    label = hardware.hardware_label("gloo")
     rows = [dict(op=op, world_size=ws, bytes=b, time_s=1e-5 + b / 1e9, busbw=b / (1e-5 + b / 1e9))
             for op in comm.OPS for ws in (2, 4) for b in (1024, 1 << 20, 1 << 26)]
     assert bottleneck_report.collectives_figure(rows, bottleneck_lab.fit_collectives(rows), label).axes

@@ -24,11 +24,11 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from course_lib import browser, cli
+from course_lib import browser, catalog, cli
 
 pytestmark = pytest.mark.slow     # every lesson in JupyterLab: minutes (`course.py test --fast` leaves it out)
 
-LESSONS = cli.lessons("notebooks")  # every notebooks/NN_*.ipynb: lessons 08 and 09 join when they land
+LESSONS = catalog.lessons("notebooks")  # every notebooks/NN_*.ipynb: lessons 08 and 09 join when they land
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
-from course_lib.data import random_batches
+from course_lib.config import small_config
+from course_lib.data import random_batches, shard_batch
 from course_lib.dist import ProcessGrid
 from course_lib.launch import run
-from course_lib.lessons.common import grads_of, relative_error, shard_batch, small_config
+from course_lib.lessons.errors import relative_error
 from course_lib.lessons.l09_training.experiments import dp_tp_gradients
 from course_lib.model import build_model
+from course_lib.one_process import grads_of
 from course_lib.parallel.clipping import (clip_grad_norm_, clip_grads_with_norm_, global_grad_norm,
                                           param_grad_parts, tensor_parallel_grad_parts, zero_grad_parts)
 from course_lib.parallel.ddp import average_gradients

@@ -47,4 +47,4 @@ def test_lesson_records_comparisons(name):
 
 @pytest.mark.parametrize("name", LESSONS)
 def test_lesson_prints_its_sizes(name):
-    assert "sizes_label(" in _code(name), f"{name}: print which sizes ran (course_lib.lessons.common.sizes_label)"
+    assert "sizes_label(" in _code(name), f"{name}: print which sizes ran (course_lib.lessons.sizes.sizes_label)"

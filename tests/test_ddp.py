@@ -7,6 +7,7 @@ All distributed checks of one world size run in one launch (each launch costs se
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import cloudpickle
@@ -15,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
+from course_lib.config import small_config
 from course_lib.data import random_batches
 from course_lib.launch import run
-from course_lib.lessons.common import small_config, train_reference
 from course_lib.lessons.l02_data_parallel import experiments as ddp_lab
-from course_lib.model import build_model
+from course_lib.model import build_model, lm_loss
+from course_lib.one_process import grads_of, params_of, train_reference
 from course_lib.parallel.collectives import chunk_sizes, ring_bytes_formula, ring_bytes_sent
-from course_lib.parallel.ddp import make_buckets
+from course_lib.parallel.ddp import BucketedDDP, make_buckets
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the rank functions below travel by value
 
@@ -158,6 +160,130 @@ def test_throughput_report_shape(two_ranks):
     assert set(stats) == {"own@25MB", "torch@25MB"}
     for s in stats.values():
         assert s["step_s"] > 0 and s["tokens_per_s"] > 0 and 0 <= s["comm_share"] <= 1
+
+
+# ------------------------------------------------------------------------------ a drop-in for torch DDP
+
+MAX_NORM = 0.05            # below the gradient norm of every step below: clipping scales every step's gradients
+
+
+def _clipped_steps(net, model, batches, sync=lambda: None, mean=torch.Tensor.item) -> dict:
+    """Ordinary PyTorch training through `net`: the loss of its forward, SGD with momentum over `net.parameters()`
+    (linear in the gradients, so rounding is not amplified as Adam's 1/sqrt(v) does near zero gradients), gradients
+    clipped with `clip_grad_norm_(net.parameters())` after `sync()`. `mean` turns a rank's loss into the global
+    batch's. Returns losses, total norms before clipping, clipped gradients of the last step, parameters after it."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.5, momentum=0.9)
+    losses, norms, grads = [], [], None
+    for x, y in batches:
+        loss = lm_loss(net(x), y)
+        loss.backward()
+        sync()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM)))
+        grads = grads_of(model)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(mean(loss))
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params_of(model)}
+
+
+def _drop_in_checks(cfg, batches):
+    """BucketedDDP used where torch.nn.parallel.DistributedDataParallel would go, with torch DDP beside it."""
+    from course_lib.data import shard_batch
+    from course_lib.dist import global_mean
+
+    r, n, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
+    shards = [(shard_batch(x, r, n).to(dev), shard_batch(y, r, n).to(dev)) for x, y in batches]
+    out = {}
+    model = build_model(cfg).to(dev)
+    ddp = BucketedDDP(model, bucket_cap_mb=0.01)
+    out["clipped"] = _clipped_steps(ddp, model, shards, sync=ddp.finish_gradient_synchronization, mean=global_mean)
+    out["repr"] = repr(ddp)
+
+    tdp = torch.nn.parallel.DistributedDataParallel(build_model(cfg).to(dev))
+    out["names"] = {"own": [k for k, _ in ddp.named_parameters()], "torch": [k for k, _ in tdp.named_parameters()]}
+    out["keys"] = {"own": list(ddp.state_dict()), "torch": list(tdp.state_dict())}
+    loaded = {}
+    for source, state in (("torch", tdp.state_dict()), ("own", ddp.state_dict())):
+        fresh = BucketedDDP(build_model(cfg, seed=1).to(dev), broadcast=False)
+        fresh.load_state_dict(state)                                    # strict
+        loaded[source] = (fresh.state_dict(), state)
+    out["loaded"] = loaded
+    plain = build_model(cfg).state_dict()                               # no 'module.' prefix
+    out["plain_load"] = {}
+    for name, wrapper in (("own", ddp), ("torch", tdp)):
+        try:
+            wrapper.load_state_dict(plain)
+            out["plain_load"][name] = None
+        except RuntimeError as exc:
+            out["plain_load"][name] = "Missing key(s)" in str(exc)
+
+    drop = BucketedDDP(build_model(dataclasses.replace(cfg, dropout=0.5)).to(dev))
+    x = shards[0][0]
+    drop.eval()
+    eval_modes = {m.training for m in drop.modules()}
+    eval_same = torch.equal(drop(x), drop(x)) and torch.equal(drop(x), drop.module(x))
+    drop.train()
+    out["modes"] = {"eval": eval_modes, "train": {m.training for m in drop.modules()},
+                    "eval_outputs_equal": eval_same, "train_outputs_equal": torch.equal(drop(x), drop(x))}
+
+    wide = BucketedDDP(build_model(cfg).to(dev), bucket_cap_mb=0.01).to(torch.float64)   # moved after wrapping
+    lm_loss(wide(x), shards[0][1]).backward()
+    wide.finish_gradient_synchronization()
+    out["float64_grads"] = grads_of(wide.module)
+    return out
+
+
+@pytest.fixture(scope="module")
+def drop_in():
+    batches = random_batches(CFG, 8, STEPS)
+    res = run(_drop_in_checks, 2, args=(CFG, batches), timeout_s=240, stream=False, backend="gloo")
+    return res.returns, batches
+
+
+def test_clip_grad_norm_and_optimizer_through_ddp_equal_one_process(drop_in):
+    returns, batches = drop_in
+    model = build_model(CFG)
+    ref = _clipped_steps(model, model, batches)
+    assert min(ref["norms"]) > 2 * MAX_NORM, "the reference must clip on every step, or the test proves nothing"
+    for rank, out in enumerate(returns):
+        got = out["clipped"]
+        assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), f"rank {rank}: total gradient norm differs"
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6), f"rank {rank}: losses differ"
+        _assert_same(got["grads"], ref["grads"], f"clipped gradients, rank {rank}")
+        _assert_same(got["params"], ref["params"], f"SGD over ddp.parameters(), parameters after {STEPS} steps, rank {rank}")
+
+
+def test_state_dict_names_equal_torch_ddp_and_round_trip(drop_in):
+    returns, _ = drop_in
+    for rank, out in enumerate(returns):
+        assert out["names"]["own"] == out["names"]["torch"]
+        assert out["keys"]["own"] == out["keys"]["torch"]
+        assert out["keys"]["own"][0].startswith("module.")
+        for source, (got, saved) in out["loaded"].items():
+            _assert_same(got, saved, f"state dict saved from {source} DDP, loaded into BucketedDDP", rtol=0, atol=0)
+        assert out["plain_load"] == {"own": True, "torch": True}, "a plain model's state dict loads as in torch DDP"
+
+
+def test_train_eval_propagate_through_ddp(drop_in):
+    returns, _ = drop_in
+    for out in returns:
+        modes = out["modes"]
+        assert modes["eval"] == {False} and modes["train"] == {True}
+        assert modes["eval_outputs_equal"], "eval(): dropout must be off, outputs equal to the plain model's"
+        assert not modes["train_outputs_equal"], "train(): dropout 0.5 must change the outputs between calls"
+
+
+def test_ddp_to_moves_buckets_and_repr(drop_in):
+    returns, batches = drop_in
+    model = build_model(CFG).double()
+    x, y = batches[0]
+    lm_loss(model(x), y).backward()                     # one process, the whole first batch, float64
+    for out in returns:
+        assert all(g.dtype == torch.float64 for g in out["float64_grads"].values())
+        _assert_same(out["float64_grads"], grads_of(model), "float64 gradients after ddp.to()", rtol=1e-10, atol=1e-12)
+        first = out["repr"].splitlines()
+        assert first[0] == "BucketedDDP(" and "buckets of [" in first[1] and "cap 0.01 MB, world size 2" in first[1]
+        assert any(line.strip().startswith("(module): GPT(") for line in first)
 
 
 # ------------------------------------------------------------------------------ four ranks

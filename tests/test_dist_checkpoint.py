@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course_lib.data import random_batches
+from course_lib.config import small_config
+from course_lib.data import random_batches, shard_batch
 from course_lib.dist import device
 from course_lib.launch import run
-from course_lib.lessons.common import (deepspeed_config, import_deepspeed, max_abs_error, relative_error,
-                                      shard_batch, small_config)
+from course_lib.lessons.errors import max_abs_error, relative_error
 from course_lib.model import build_model, lm_loss
 from course_lib.parallel import dist_checkpoint as ckpt
+from course_lib.parallel.deepspeed_config import deepspeed_config, import_deepspeed
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the rank functions below travel by value
 

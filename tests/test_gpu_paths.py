@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from course_lib import dist as cdist
-from course_lib import gpu_check, measure
+from course_lib import gpu_check, hardware, measure
 from course_lib.launch import LaunchError, resolve_backend
-from course_lib.lessons import common
+from course_lib.lessons import sizes
+from course_lib.parallel import deepspeed_config
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def test_backend_policy_with_enough_gpus(fake_gpus, capsys):
     fake_gpus(["NVIDIA H100 80GB HBM3"] * 4)
     assert [cdist.pick_backend(n) for n in (1, 2, 4)] == ["nccl"] * 3
     assert resolve_backend("auto", 4) == "nccl" and resolve_backend("nccl", 4) == "nccl"
-    assert common.on_gpus(4) and common.by_device(cpu="cpu size", gpu="gpu size", nprocs=4) == "gpu size"
+    assert sizes.on_gpus(4) and sizes.by_device(cpu="cpu size", gpu="gpu size", nprocs=4) == "gpu size"
     assert capsys.readouterr().out == ""
 
 
@@ -55,14 +56,14 @@ def test_backend_policy_falls_back_and_says_so_once(fake_gpus, capsys):
     assert resolve_backend("auto", 4) == "gloo" and capsys.readouterr().out == ""   # said once per process
     with pytest.raises(LaunchError, match="4 GPUs .* this machine has 2"):
         resolve_backend("nccl", 4)                                   # explicitly asked for: a clear error
-    assert common.by_device(cpu="cpu size", gpu="gpu size", nprocs=4) == "cpu size"
-    assert common.by_device(cpu="cpu size", gpu="gpu size", nprocs=2) == "gpu size"
+    assert sizes.by_device(cpu="cpu size", gpu="gpu size", nprocs=4) == "cpu size"
+    assert sizes.by_device(cpu="cpu size", gpu="gpu size", nprocs=2) == "gpu size"
 
 
 def test_hardware_label_names_where_ranks_computed(fake_gpus):
     fake_gpus(["NVIDIA H100 80GB HBM3"] * 2)
-    assert measure.hardware_label("gloo").startswith("CPU: ")          # gloo ranks compute on the CPU
-    assert measure.hardware_label("nccl").startswith("NVIDIA H100 80GB HBM3") and "NCCL" in measure.hardware_label()
+    assert hardware.hardware_label("gloo").startswith("CPU: ")          # gloo ranks compute on the CPU
+    assert hardware.hardware_label("nccl").startswith("NVIDIA H100 80GB HBM3") and "NCCL" in hardware.hardware_label()
 
 
 def test_device_of_a_rank(fake_gpus, monkeypatch):
@@ -77,13 +78,14 @@ def test_device_of_a_rank(fake_gpus, monkeypatch):
 
 def test_deepspeed_fp16_follows_the_device(fake_gpus, monkeypatch):
     fake_gpus(["NVIDIA H100 80GB HBM3"])
-    assert common.deepspeed_config(2, 4, precision="fp16")["fp16"]["enabled"]
+    assert deepspeed_config.deepspeed_config(2, 4, precision="fp16")["fp16"]["enabled"]
     fake_gpus([])
-    monkeypatch.setattr(common, "cpu_features", lambda: dict(isa="AVX2", bf16=False, fp16=False, amx=[]))
+    monkeypatch.setattr(deepspeed_config, "cpu_features", lambda: dict(isa="AVX2", bf16=False, fp16=False, amx=[]))
     with pytest.raises(ValueError, match="fp16 is refused"):
-        common.deepspeed_config(2, 4, precision="fp16")
-    monkeypatch.setattr(common, "cpu_features", lambda: dict(isa="AVX512", bf16=True, fp16=True, amx=["amx_fp16"]))
-    assert common.deepspeed_config(2, 4, precision="fp16")["fp16"]["enabled"]
+        deepspeed_config.deepspeed_config(2, 4, precision="fp16")
+    monkeypatch.setattr(deepspeed_config, "cpu_features",
+                        lambda: dict(isa="AVX512", bf16=True, fp16=True, amx=["amx_fp16"]))
+    assert deepspeed_config.deepspeed_config(2, 4, precision="fp16")["fp16"]["enabled"]
 
 
 def test_peak_flops_uses_the_row_of_the_device(fake_gpus):
@@ -155,7 +157,7 @@ def test_training_script_keeps_the_seeds_deepspeed_config_as_written_on_a_gpu(fa
     assert conf["optimizer"] == cfg.deepspeed["optimizer"] and "torch_adam" not in conf["optimizer"].get("params", {})
     assert "zero_force_ds_cpu_optimizer" not in conf
     fake_gpus([])
-    monkeypatch.setattr(common, "cpu_features", lambda: {"fp16": False, "bf16": True, "amx": False})
+    monkeypatch.setattr(deepspeed_config, "cpu_features", lambda: {"fp16": False, "bf16": True, "amx": False})
     conf = train.deepspeed_settings(cfg, layout)
     assert conf["bf16"]["enabled"] and not conf["fp16"]["enabled"] and conf["optimizer"]["params"]["torch_adam"]
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from course_lib import measure
+from course_lib import hardware, measure, memory_stats, units
 
 
 def test_time_fn_median_and_timer():
@@ -45,22 +45,22 @@ DEVICE_NAMES = {
 @pytest.mark.parametrize("device_name", list(DEVICE_NAMES))
 def test_gpu_spec_matches_model_and_form_factor(device_name):
     row, tflops = DEVICE_NAMES[device_name]
-    spec = measure.gpu_spec(device_name)
+    spec = hardware.gpu_spec(device_name)
     assert spec is not None and (spec.name, spec.bf16_tflops) == (row, tflops), f"{device_name} -> {spec}"
 
 
 def test_gpu_table_and_unknown_devices():
     for name in ("AMD Instinct MI300X", "NVIDIA GeForce RTX 4090 Laptop GPU", "Some Other Accelerator", "cpu"):
-        assert measure.gpu_spec(name) is None, name        # measured, never guessed
-    assert measure.gpu_spec("NVIDIA H200").mem_gb == 141
-    for key, spec in measure.GPU_SPECS.items():
+        assert hardware.gpu_spec(name) is None, name        # measured, never guessed
+    assert hardware.gpu_spec("NVIDIA H200").mem_gb == 141
+    for key, spec in hardware.GPU_SPECS.items():
         assert spec.bf16_tflops > 0 and spec.mem_bw_gbs > 0 and spec.link_gbs > 0, key
         assert "datasheet" in spec.source or "whitepaper" in spec.source, key
-        assert measure.gpu_spec(f"NVIDIA {key}") is spec, key             # every row can be reached
+        assert hardware.gpu_spec(f"NVIDIA {key}") is spec, key             # every row can be reached
 
 
 def test_hardware_label_names_backend():
-    label = measure.hardware_label("gloo", device="cpu")
+    label = hardware.hardware_label("gloo", device="cpu")
     assert label.startswith("CPU: ") and "cores" in label and "torch" in label and label.endswith("gloo")
 
 
@@ -92,11 +92,11 @@ def test_model_state_bytes_adam_exact():
     P = sum(p.numel() for p in model.parameters())
     n_tensors = len(list(model.parameters()))
     opt = torch.optim.Adam(model.parameters())
-    before = measure.model_state_bytes(model, opt)
+    before = memory_stats.model_state_bytes(model, opt)
     assert before == dict(params=4 * P, grads=0, optimizer=0, optimizer_scalars=0, total=4 * P)
     model(torch.randn(3, 10)).sum().backward()
     opt.step()
-    s = measure.model_state_bytes(model, opt)
+    s = memory_stats.model_state_bytes(model, opt)
     assert s["params"] == 4 * P and s["grads"] == 4 * P
     assert s["optimizer"] == 8 * P + 4 * n_tensors      # exp_avg, exp_avg_sq, step (fp32 scalar)
     assert s["optimizer_scalars"] == 4 * n_tensors
@@ -108,14 +108,14 @@ def test_model_state_bytes_counts_tied_weights_once():
     head = nn.Linear(3, 7, bias=False)
     head.weight = emb.weight
     model = nn.ModuleDict(dict(emb=emb, head=head))
-    assert measure.model_state_bytes(model)["params"] == 7 * 3 * 4
+    assert memory_stats.model_state_bytes(model)["params"] == 7 * 3 * 4
 
 
 def test_saved_activations_mlp_hand_computed():
     model = _mlp()
     B = 6
     x = torch.randn(B, 10)  # a data batch: does not require grad
-    with measure.SavedActivations(model) as acts:
+    with memory_stats.SavedActivations(model) as acts:
         y = model(x)
     # Linear1 saves x (weight grad needs it): B*10; ReLU saves its output: B*20, which is also
     # Linear2's input (one storage); Linear2 saves its weight for the input gradient (a parameter).
@@ -126,18 +126,18 @@ def test_saved_activations_mlp_hand_computed():
 
 def test_saved_activations_without_model_still_skips_parameters():
     lin = nn.Linear(4, 3)
-    with measure.SavedActivations() as acts:
+    with memory_stats.SavedActivations() as acts:
         torch.relu(lin(torch.randn(2, 4, requires_grad=True)))
     assert acts.bytes == 4 * (2 * 4 + 2 * 3)
     assert acts.params_saved_bytes == 4 * 3 * 4
 
 
 def test_rss_and_formatting():
-    assert measure.rss_bytes() > 10_000_000
-    assert measure.fmt_bytes(3.2e9) == "3.20 GB"
-    assert measure.fmt_bytes(64 * 2 ** 20, binary=True) == "64 MiB"
-    assert measure.fmt_flops(2.5e12) == "2.50 TFLOP/s"
-    assert measure.fmt_flops(3.14e23, per_s=False) == "314000000.00 PFLOP"
+    assert memory_stats.rss_bytes() > 10_000_000
+    assert units.fmt_bytes(3.2e9) == "3.20 GB"
+    assert units.fmt_bytes(64 * 2 ** 20, binary=True) == "64 MiB"
+    assert units.fmt_flops(2.5e12) == "2.50 TFLOP/s"
+    assert units.fmt_flops(3.14e23, per_s=False) == "314000000.00 PFLOP"
 
 
 def test_cpu_features_predict_what_deepspeed_accepts():
@@ -145,7 +145,7 @@ def test_cpu_features_predict_what_deepspeed_accepts():
     AVX512-FP16 / AMX-FP16: yes), whatever machine runs the tests."""
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-    f = measure.cpu_features()
+    f = hardware.cpu_features()
     assert set(f) == {"isa", "bf16", "fp16", "amx"} and isinstance(f["isa"], str)
     assert bool(CPU_Accelerator().is_fp16_supported()) == f["fp16"]
 
@@ -153,9 +153,9 @@ def test_cpu_features_predict_what_deepspeed_accepts():
 def test_cpu_precision_sentence_follows_the_features(monkeypatch):
     plain = dict(isa="AVX2", bf16=False, fp16=False, amx=[])
     xeon = dict(isa="AVX512", bf16=True, fp16=True, amx=["amx_bf16", "amx_fp16", "amx_tile"])
-    monkeypatch.setattr(measure, "cpu_features", lambda: plain)
-    text = measure.describe_cpu_precision()
+    monkeypatch.setattr(hardware, "cpu_features", lambda: plain)
+    text = hardware.describe_cpu_precision()
     assert "no native bf16 or fp16" in text and "slower" in text and "refuses fp16" in text
-    monkeypatch.setattr(measure, "cpu_features", lambda: xeon)
-    text = measure.describe_cpu_precision()
+    monkeypatch.setattr(hardware, "cpu_features", lambda: xeon)
+    text = hardware.describe_cpu_precision()
     assert "native bf16 and fp16" in text and "amx_bf16" in text and "accepts fp16" in text and "slower" not in text

@@ -18,9 +18,9 @@ from course_lib import theory
 from course_lib.config import ConfigError
 from course_lib.data import random_batches
 from course_lib.launch import run
-from course_lib.lessons.common import train_reference
 from course_lib.lessons.l03_pipeline_parallel import experiments as pipeline_lab
 from course_lib.model import build_model
+from course_lib.one_process import train_reference
 from course_lib.parallel.pipeline import build_stage, sequential_loss, split_microbatches
 from course_lib.parallel.pipeline_schedules import (bubble_of, gpipe_order, one_f_one_b_order, peak_in_flight,
                                                     schedule_orders, simulate, split_stages, validate_order)

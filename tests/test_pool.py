@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from course_lib import pool
+from course_lib.config import small_config
 from course_lib.data import random_batches
 from course_lib.launch import DistributedRunError, RunInterrupted, RunTimeout, run
-from course_lib.lessons.common import small_config, train_variant
+from course_lib.lessons.variants import train_variant
 
 pytestmark = pytest.mark.usefixtures("pools_on", "no_leftovers")   # (tests/conftest.py)
 
@@ -67,14 +68,14 @@ def _leave_a_mess():
     import torch.nn.functional as F
 
     import course_lib.model
-    from course_lib import measure
+    from course_lib import measure, units
 
     dist.new_group([0, 1])
     from torch.distributed.device_mesh import init_device_mesh
 
     init_device_mesh("cpu", (2,))
     course_lib.model.GPT.leaked = 1                        # a class attribute added ...
-    measure.fmt_bytes = lambda n: "patched"                # ... a library function replaced, a global added ...
+    units.fmt_bytes = lambda n: "patched"                  # ... a library function replaced, a global added ...
     measure.LEAKED_GLOBAL = 1
     F.gelu = lambda x, **kw: x                             # ... and a torch function
     torch.set_num_threads(2)
@@ -98,7 +99,7 @@ def _look_around():
 
     return {"pid": os.getpid(), "groups": len(c10d._world.pg_map),
             "leaked": hasattr(course_lib.model.GPT, "leaked") or hasattr(measure, "LEAKED_GLOBAL"),
-            "fmt": measure.fmt_bytes(2 ** 20), "gelu": F.gelu(torch.tensor([-1.0])).item(),
+            "fmt": units.fmt_bytes(2 ** 20), "gelu": F.gelu(torch.tensor([-1.0])).item(),
             "threads": torch.get_num_threads(), "dtype": str(torch.get_default_dtype()),
             "grad": torch.is_grad_enabled(), "seed": torch.initial_seed(), "env": os.environ.get("COURSE_LEAK"),
             "cwd": os.getcwd(), "random": random.random()}

@@ -16,12 +16,12 @@ import cloudpickle
 import pytest
 import torch
 
+from course_lib.config import small_config
 from course_lib.data import random_batches
+from course_lib.hardware import cpu_features
 from course_lib.launch import run
-from course_lib.lessons.common import small_config
 from course_lib.lessons.l06_mixed_precision import checks as precision_checks
 from course_lib.lessons.l06_mixed_precision import experiments as precision_lab
-from course_lib.measure import cpu_features
 from course_lib.model import build_model
 from course_lib.parallel import precision
 from course_lib.parallel.precision import (FORMATS, DynamicLossScaler, MasterWeightOptimizer, add_in, any_rank_true,

@@ -58,7 +58,7 @@ def _max_rel(actual, expected) -> float:
 
 @pytest.fixture(scope="module")
 def ds_lr_schedules():
-    from course_lib.lessons.common import import_deepspeed
+    from course_lib.parallel.deepspeed_config import import_deepspeed
 
     import_deepspeed()                                  # DS_ACCELERATOR=cpu here, set before the import
     from deepspeed.runtime import lr_schedules
@@ -169,7 +169,7 @@ def _rank_engine_rates(blocks: list[dict], updates: int) -> list[list[float]]:
     optimizer's lr at each of ``updates`` updates, read just before ``engine.step()`` uses it."""
     import torch
 
-    from course_lib.lessons.common import import_deepspeed
+    from course_lib.parallel.deepspeed_config import import_deepspeed
 
     deepspeed = import_deepspeed()
     from deepspeed.utils import logger

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from course_lib.config import get_preset
-from course_lib.measure import SavedActivations, count_flops, model_state_bytes
+from course_lib.measure import count_flops
+from course_lib.memory_stats import SavedActivations, model_state_bytes
 from course_lib.model import build_model
 from course_lib.theory import comm, flops, memory
 
@@ -186,7 +187,7 @@ def test_flop_counter_agrees_with_course_and_megatron_and_not_with_the_others():
 
 def test_mfu_divides_by_the_dense_peak():
     from course_lib import measure
-    from course_lib.measure import GPU_SPECS
+    from course_lib.hardware import GPU_SPECS
     # NVIDIA H100 SXM datasheet: BF16 tensor core 1,979 TFLOPS "shown with sparsity", half without: 989.4 dense
     assert GPU_SPECS["H100"].bf16_tflops == pytest.approx(1978.9 / 2, rel=1e-4)
     gpt3 = get_preset("gpt3-175b")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from course_lib.config import small_config
 from course_lib.launch import run, run_nodes
 from course_lib.lessons.l08_three_d.experiments import rank_3d_comm, rank_torch_3d
-from course_lib.lessons.common import small_config
 
 # fp32; the only differences from one process are the orders of sums (TP's all-reduce, DP's average, micro-batches).
 TOL = 1e-5

@@ -17,7 +17,7 @@ import pytest
 from course_lib import launch as launcher
 from course_lib import monitor, train
 from course_lib.config import ConfigError
-from course_lib.lessons.common import deepspeed_accepts_fp16
+from course_lib.parallel.deepspeed_config import deepspeed_accepts_fp16
 from course_lib.train_config import load_config, parse_config, validate_world
 
 CONFIGS = "configs"

@@ -1,4 +1,4 @@
-"""Tests of lesson 05's ZeRO (course_lib/parallel/zero.py, lessons/common.py's variants, theory/memory.py).
+"""Tests of lesson 05's ZeRO (course_lib/parallel/zero.py, lessons/variants.py, theory/memory.py).
 
 Own ZeRO-1/2/3, PyTorch FSDP2 and DeepSpeed run on gloo ranks and are compared with PyTorch DDP on the same
 data (losses every step, parameters after 10 steps); the model state each rank holds is compared with the
@@ -16,11 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.data import random_batches
+from course_lib.config import small_config
+from course_lib.data import random_batches, shard_batch
+from course_lib.hardware import cpu_features
 from course_lib.launch import run
-from course_lib.lessons.common import VARIANTS, deepspeed_config, small_config, train_variant
-from course_lib.measure import cpu_features
+from course_lib.lessons.variants import VARIANTS, train_variant
 from course_lib.model import build_model
+from course_lib.parallel.deepspeed_config import deepspeed_config
 from course_lib.parallel.zero import ZeroOptimizer, chunk_numel
 from course_lib.theory.memory import (padded_numel, usable_offload, zero_bytes_per_param, zero_comm_bytes,
                                       zero_model_state_bytes, zero_saving)
@@ -293,3 +295,201 @@ def test_four_ranks_equal_ddp(four_ranks):
         # of gradients near 0 into updates of ~1e-5 (a wrong shard or a missing gather is off by ~lr = 1e-2)
         for mode in ("zero1", "zero2", "zero3", "fsdp2"):
             _assert_same_run(out[mode], out["ddp"], f"{mode} on 4 ranks, rank {rank}", rtol=1e-5, atol=2e-5)
+
+
+# ------------------------------------------------------------------------------ a torch.optim.Optimizer: groups,
+# schedule, zero_grad, state dicts, checkpoints that resume on 4 ranks and on 2
+
+CK_STEPS, CK_AT, CK_LR = 4, 2, 1e-2              # train 4 steps, checkpoint after 2
+
+
+def _groups(model):
+    """Parameter groups as a learner writes them: matrices decay, vectors do not and step at half the lr."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": CK_LR / 2}]
+
+
+def _factor(step: int) -> float:
+    return 1.0 / (1 + step)                      # LambdaLR: every step another lr
+
+
+def _build(cfg, stage: int, seed: int = 0):
+    """ZeRO from parameter groups; stage 1 with the default units (one per parameter), stage 2 with units that
+    group the parameters by block (fewer collectives)."""
+    model = build_model(cfg, seed)
+    units = list(model.blocks) + [model] if stage == 2 else None
+    zero = ZeroOptimizer(_groups(model), torch.optim.AdamW, stage=stage, lr=CK_LR, units=units)
+    return model, zero, torch.optim.lr_scheduler.LambdaLR(zero, _factor)
+
+
+def _train(model, zero, sched, batches, lrs=None, micro: int = 1, set_to_none: bool = True):
+    r, n = dist.get_rank(), dist.get_world_size()
+    for x, y in batches:
+        x, y = shard_batch(x, r, n), shard_batch(y, r, n)
+        for xm, ym in zip(x.chunk(micro), y.chunk(micro)):    # gradient accumulation over micro-batches
+            (model.loss(xm, ym) / micro).backward()
+        if lrs is not None:
+            lrs.append([g["lr"] for g in zero.optimizer.param_groups])   # what the inner, sharded step uses
+        zero.step()
+        sched.step()
+        zero.zero_grad(set_to_none=set_to_none)
+
+
+def _full_state(zero, names):
+    """Every parameter's optimizer state in full (numel,), gathered: what a reshard must keep bit for bit."""
+    out = {"lr": [g["lr"] for g in zero.param_groups]}
+    for i, chunk in enumerate(zero.chunks):
+        for k, v in zero.optimizer.state[chunk].items():
+            full = torch.empty(v.numel() * zero.world, dtype=v.dtype, device=v.device)
+            dist.all_gather_into_tensor(full, v.reshape(-1).contiguous())
+            out[f"{names[i]}.{k}"] = v.clone() if v.dim() == 0 else full[:zero.params[i].numel()]
+    return out
+
+
+def _optimizer_checks(cfg, batches, folder):
+    """4 ranks: the schedule, a checkpoint saved after CK_AT steps and resumed, zero_grad, the shard's state dict."""
+    from course_lib.parallel import dist_checkpoint
+    from course_lib.parallel.zero_state import param_names
+
+    out = {}
+    for stage in (1, 2):
+        model, zero, sched = _build(cfg, stage)
+        res = {"live": zero.param_groups is zero.optimizer.param_groups, "lrs": []}
+        _train(model, zero, sched, batches[:CK_AT], res["lrs"])
+        path = dist_checkpoint.step_path(f"{folder}/zero{stage}", CK_AT)
+        dist_checkpoint.save(path, model=model, optimizer=zero, scheduler=sched, step=CK_AT, data_position=CK_AT)
+        res["saved"] = _full_state(zero, param_names(zero, model))
+        _train(model, zero, sched, batches[CK_AT:], res["lrs"])
+        res["params"] = zero.full_parameters(model)
+        for forget in (False, True):             # forgetting the optimizer state must show
+            model2, zero2, sched2 = _build(cfg, stage, seed=1)     # other weights: the checkpoint overwrites them
+            dist_checkpoint.load(path, model=model2, optimizer=zero2, scheduler=sched2)
+            if forget:
+                zero2.optimizer.state.clear()
+            _train(model2, zero2, sched2, batches[CK_AT:])
+            res["forgot" if forget else "resumed"] = zero2.full_parameters(model2)
+        # the shard's own state dict: back into the same rank; another rank's is refused
+        model3, zero3, _ = _build(cfg, stage, seed=1)
+        zero3.load_state_dict(zero.state_dict())
+        res["shard_roundtrip"] = (zero3.param_groups is zero3.optimizer.param_groups and all(
+            torch.equal(zero3.state[c3][k], v) for c, c3 in zip(zero.chunks, zero3.chunks)
+            for k, v in zero.state[c].items()))
+        wrong = zero.state_dict()
+        wrong["zero"]["rank"] = (zero.rank + 1) % zero.world
+        try:
+            zero3.load_state_dict(wrong)
+        except ValueError as e:
+            res["refused"] = str(e)
+        try:
+            zero3.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+        except NotImplementedError as e:
+            res["add_group_refused"] = str(e)
+        # zero_grad: set_to_none=False zeroes in place (stage 1: the full gradients; stage 2: the shards)
+        x, y = shard_batch(batches[0][0], zero.rank, zero.world), shard_batch(batches[0][1], zero.rank, zero.world)
+        model.loss(x, y).backward()
+        grads = [p.grad for p in zero.params] if stage == 1 else [c.grad for c in zero.chunks]
+        zero.zero_grad(set_to_none=False)
+        now = [p.grad for p in zero.params] if stage == 1 else [c.grad for c in zero.chunks]
+        res["zeroed_in_place"] = all(g is h and not g.any() for g, h in zip(grads, now))
+        zero.zero_grad()
+        res["set_to_none"] = all(t.grad is None for t in list(zero.params) + list(zero.chunks))
+        for flag in (True, False):               # two micro-batches a step: the same training either way
+            m, z, s = _build(cfg, stage)
+            _train(m, z, s, batches[:1], micro=2, set_to_none=flag)
+            res[f"accumulated_{flag}"] = z.full_parameters(m)
+        out[f"zero{stage}"] = res
+    return out
+
+
+def _resume_on_two(cfg, batches, folder):
+    """2 ranks: load the checkpoints 4 ranks wrote, gather the state, train the remaining steps."""
+    from course_lib.parallel import dist_checkpoint
+    from course_lib.parallel.zero_state import param_names
+
+    out = {}
+    for stage in (1, 2):
+        model, zero, sched = _build(cfg, stage, seed=1)
+        dist_checkpoint.load(dist_checkpoint.step_path(f"{folder}/zero{stage}", CK_AT), model=model, optimizer=zero,
+                             scheduler=sched)
+        out[f"zero{stage}"] = {"loaded": _full_state(zero, param_names(zero, model))}
+        _train(model, zero, sched, batches[CK_AT:])
+        out[f"zero{stage}"]["resumed"] = zero.full_parameters(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def optimizer_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("zero_ckpt")
+    batches = random_batches(CFG, 8, CK_STEPS)
+    four = run(_optimizer_checks, 4, args=(CFG, batches, str(folder)), timeout_s=240, stream=False, backend="gloo")
+    two = run(_resume_on_two, 2, args=(CFG, batches, str(folder)), timeout_s=240, stream=False, backend="gloo")
+    return batches, four.returns, two.returns
+
+
+def _one_process(cfg, batches):
+    model = build_model(cfg, 0)
+    opt = torch.optim.AdamW(_groups(model), lr=CK_LR)
+    sched, lrs = torch.optim.lr_scheduler.LambdaLR(opt, _factor), []
+    for x, y in batches:
+        model.loss(x, y).backward()
+        lrs.append([g["lr"] for g in opt.param_groups])
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return lrs, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _close(a: dict, b: dict, what: str, rtol=0.0, atol=0.0):
+    assert a.keys() == b.keys(), f"{what}: different names"
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{what}, {k}: {m}")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_lambda_lr_drives_the_sharded_step(optimizer_runs, stage):
+    batches, four, _ = optimizer_runs
+    lrs, params = _one_process(CFG, batches)
+    assert lrs[1] == [CK_LR / 2, CK_LR / 4]      # the schedule moved both groups' lr
+    for rank, out in enumerate(four):
+        res = out[f"zero{stage}"]
+        assert res["live"] and res["lrs"] == lrs, f"ZeRO-{stage}, rank {rank}: the inner lr is not the schedule's"
+        # 4 ranks sum gradients in another order than one process; Adam turns last-bit differences of gradients
+        # near 0 into updates of ~1e-5 (a wrong lr or weight decay is off by ~lr = 1e-2)
+        _close(res["params"], params, f"ZeRO-{stage} on 4 ranks vs one process", rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_grad_set_to_none_and_accumulation(optimizer_runs, stage):
+    for rank, out in enumerate(optimizer_runs[1]):
+        res = out[f"zero{stage}"]
+        assert res["zeroed_in_place"] and res["set_to_none"], f"ZeRO-{stage}, rank {rank}"
+        _close(res["accumulated_False"], res["accumulated_True"], f"ZeRO-{stage} set_to_none=False vs True")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_shard_state_dict_and_refusals(optimizer_runs, stage):
+    for out in optimizer_runs[1]:
+        res = out[f"zero{stage}"]
+        assert res["shard_roundtrip"]
+        assert "dist_checkpoint" in res["refused"] and "constructor" in res["add_group_refused"]
+    with pytest.raises(ValueError, match="apply_zero"):
+        ZeroOptimizer(build_model(CFG).parameters(), torch.optim.AdamW, stage=3)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_checkpoint_resumes_bit_exactly_and_reshards(optimizer_runs, stage):
+    """Saved on 4 ranks after 2 of 4 steps. Resumed on 4: the very same arithmetic, bit for bit. Resumed on 2:
+    the loaded state (parameters' optimizer state, step, lr) is the saved one bit for bit; the remaining steps
+    sum the gradients of 2 ranks instead of 4 (another order), hence the tolerance of the 4-rank comparison."""
+    _, four, two = optimizer_runs
+    for rank, out in enumerate(four):
+        res = out[f"zero{stage}"]
+        _close(res["resumed"], res["params"], f"ZeRO-{stage} resumed on 4 ranks, rank {rank}")
+        assert _differs({"losses": [], "params": res["forgot"]}, {"losses": [], "params": res["params"]}), \
+            "a resume without the optimizer state passed"
+    saved, params = four[0][f"zero{stage}"]["saved"], four[0][f"zero{stage}"]["params"]
+    for rank, out in enumerate(two):
+        res = out[f"zero{stage}"]
+        assert res["loaded"].pop("lr") == saved["lr"]
+        _close(res["loaded"], {k: v for k, v in saved.items() if k != "lr"}, f"ZeRO-{stage} state loaded on 2 ranks")
+        _close(res["resumed"], params, f"ZeRO-{stage} resumed on 2 ranks, rank {rank}", rtol=1e-5, atol=2e-5)

@@ -1,7 +1,10 @@
 """One folder per lesson: the code behind each notebook, apart from the techniques it teaches.
 
-    lessons/common.py          what several lessons share: small configs, a rank's rows of a batch, one-process
-                               references, snapshots, errors, the training loop over sharded variants (05-07)
+    lessons/display.py         what several lessons share: showing the course's code, predictions, colours
+    lessons/sizes.py           experiment sizes per device (`by_device`, `sizes_label`)
+    lessons/errors.py          errors between two runs (`relative_error`, ...)
+    lessons/variants.py        the training loop over the sharded variants of lessons 05-07
+    lessons/quizzes.py         quizzes checked by code
     lessons/lNN_<topic>/       experiments.py  functions the lesson runs (``rank_*`` run on every rank)
                                checks.py       what the graded exercises' test cells call
                                report.py       tables, figures and widgets

@@ -5,7 +5,9 @@ Averaging the gradients over the ranks makes every copy take the same optimizer 
 the whole batch, because the mean over the global batch is the mean of the per-shard means (equal shards).
 
 * `average_gradients(model)`: the naive version, one all-reduce per parameter after backward.
-* `BucketedDDP` / `apply_ddp(model, bucket_cap_mb=...)`: gradients are packed into buckets of about
+* `BucketedDDP` / `apply_ddp(model, bucket_cap_mb=...)`: an `nn.Module` wrapping the model, used where
+  `torch.nn.parallel.DistributedDataParallel` would go (forward, `parameters()`, `state_dict()` with the same
+  `module.` names, `train()`/`eval()`, `no_sync()`). Gradients are packed into buckets of about
   `bucket_cap_mb` MB (optionally a smaller first one, `first_bucket_cap_mb`: PyTorch DDP uses 1 MB when
   its cap is left at the default, so that communication starts early), in the reverse order of the
   parameters (the order backward produces them). A post-accumulate-grad hook on every parameter counts
@@ -63,6 +65,20 @@ class Bucket:
     ready: int = 0                # gradients of this backward that have arrived
     work: object = None           # the async all-reduce handle while in flight
 
+    @classmethod
+    def of(cls, params: list[nn.Parameter]) -> "Bucket":
+        """A bucket whose flat buffer has the parameters' dtype and device, with one view per parameter."""
+        bucket = cls(params, torch.empty(0))
+        bucket.allocate()
+        return bucket
+
+    def allocate(self) -> None:
+        """(Re)make the flat buffer and the views where the parameters live now (also after `module.to(...)`)."""
+        p0 = self.params[0]
+        self.buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=p0.dtype, device=p0.device)
+        views = torch.split(self.buffer, [p.numel() for p in self.params])          # (numel_i,) slices
+        self.views = [v.view_as(p) for v, p in zip(views, self.params)]
+
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
@@ -87,13 +103,21 @@ def make_buckets(params: list[nn.Parameter], bucket_cap_bytes: float,
 
 
 @reference_for("02-bucketed-ddp")
-class BucketedDDP:
+class BucketedDDP(nn.Module):
     """Bucketed data parallelism with communication overlapped with backward (lesson 02).
 
+    An `nn.Module` used like `torch.nn.parallel.DistributedDataParallel`:
+
         ddp = apply_ddp(model, bucket_cap_mb=1.0)    # broadcasts rank 0's weights, registers hooks
-        loss = model.loss(x, y); loss.backward()      # buckets are all-reduced while backward runs
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        loss = lm_loss(ddp(x), y); loss.backward()    # forward is the model's; buckets all-reduce during backward
         ddp.finish_gradient_synchronization()         # wait; .grad now holds the average over ranks
-        optimizer.step()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0); optimizer.step()
+
+    One difference from PyTorch DDP: the wait is explicit (`finish_gradient_synchronization()`), where PyTorch
+    queues it as an autograd callback at the end of backward. The hooks sit on the parameters, so a backward
+    through `model.loss(x, y)` synchronises too. As in PyTorch DDP, the wrapped model is the submodule
+    `module`: `state_dict()` keys are ``module.<name>`` (a plain model's state dict loads into `ddp.module`).
 
     Attributes: `module` (the plain model), `buckets`, `world_size`, and counters `num_all_reduces`,
     `bytes_all_reduced` (payload bytes handed to all-reduce since creation).
@@ -103,7 +127,9 @@ class BucketedDDP:
                  first_bucket_cap_mb: float | None = None, broadcast: bool = True):
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be positive (e.g. 25, PyTorch DDP's default)")
-        self.module, self.group, self.bucket_cap_mb = module, group, bucket_cap_mb
+        super().__init__()
+        self.module = module                      # a submodule: parameters and state_dict keys get 'module.'
+        self.group, self.bucket_cap_mb = group, bucket_cap_mb
         self.world_size = dist.get_world_size(group)
         self.require_sync = True
         self.num_all_reduces = 0
@@ -113,17 +139,14 @@ class BucketedDDP:
         params = [p for p in module.parameters() if p.requires_grad]   # tied weights appear once
         first = None if first_bucket_cap_mb is None else min(first_bucket_cap_mb, bucket_cap_mb) * 2**20
         groups = make_buckets(list(reversed(params)), bucket_cap_mb * 2**20, first)
-        self.buckets = []
-        for ps in groups:
-            buffer = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
-            views = list(torch.split(buffer, [p.numel() for p in ps]))           # (numel_i,) slices
-            self.buckets.append(Bucket(ps, buffer, [v.view_as(p) for v, p in zip(views, ps)]))
+        self.buckets = [Bucket.of(ps) for ps in groups]     # a plain list: bucket buffers are not state
         self._handles = []
         for bucket in self.buckets:
             for p in bucket.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(bucket)))
 
-    def __call__(self, *args, **kwargs):
+    def forward(self, *args, **kwargs):
+        """The wrapped model's forward (its hooks and `train()`/`eval()` mode included)."""
         return self.module(*args, **kwargs)
 
     def _make_hook(self, bucket: Bucket):
@@ -146,6 +169,9 @@ class BucketedDDP:
     def _launch(self, bucket: Bucket) -> None:
         """Pack the bucket's gradients (zeros for a parameter without one), pre-divide by n as PyTorch DDP
         does, and start the asynchronous all-reduce (sum)."""
+        p0 = bucket.params[0]
+        if bucket.buffer.device != p0.device or bucket.buffer.dtype != p0.dtype:   # moved since (ddp.to(...))
+            bucket.allocate()
         grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket.params]
         torch.cat(grads, out=bucket.buffer)                    # the bucket's gradients, flat: (numel,)
         bucket.buffer.mul_(1.0 / self.world_size)
@@ -185,14 +211,14 @@ class BucketedDDP:
             h.remove()
         self._handles.clear()
 
-    def __repr__(self) -> str:
+    def extra_repr(self) -> str:
+        """The first line of ``repr(ddp)``, above the wrapped ``(module)``: the buckets, the cap, the world size."""
         sizes = ", ".join(f"{b.nbytes / 2**20:.2f}" for b in self.buckets)
-        return (f"BucketedDDP({len(self.buckets)} buckets of [{sizes}] MB, cap {self.bucket_cap_mb} MB, "
-                f"world size {self.world_size})")
+        return f"{len(self.buckets)} buckets of [{sizes}] MB, cap {self.bucket_cap_mb} MB, world size {self.world_size}"
 
 
 def apply_ddp(model: nn.Module, group=None, bucket_cap_mb: float = 25.0,
               first_bucket_cap_mb: float | None = None) -> BucketedDDP:
     """Make `model` data parallel over `group`: broadcast rank 0's weights, register the bucket hooks.
-    Returns the `BucketedDDP` handle (call `finish_gradient_synchronization()` before each step)."""
+    Returns the `BucketedDDP` module wrapping `model` (call `finish_gradient_synchronization()` before each step)."""
     return BucketedDDP(model, group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)

@@ -13,7 +13,10 @@ Model and optimizer go through PyTorch Distributed Checkpoint (DCP,
 https://pytorch.org/docs/stable/distributed.checkpoint.html): ``get_state_dict(model, optimizer)`` names every
 tensor by its fully qualified name whatever wraps the model (plain, DDP, FSDP2 ``fully_shard``), each rank
 writes its own shards (a replicated tensor once), and ``dcp.load`` reads whatever slice the loading rank needs:
-a checkpoint written by 4 DDP ranks loads into 2, or into FSDP2 shards (resharding comes from DCP).
+a checkpoint written by 4 DDP ranks loads into 2, or into FSDP2 shards (resharding comes from DCP). An
+optimizer that describes its shards to DCP itself (``dcp_state_dict``: the course's ZeRO-1/2, whose state goes
+in as pieces of full-length flat tensors, `course_lib.parallel.zero_state`) does so instead of
+``get_state_dict``, so a run with the course's ZeRO on 4 ranks also resumes on 2.
 The schedule, step, data position, seed and world size ride in the DCP state dict (one copy). The RNG states
 are per rank, so each rank writes its own small file ``rng_rank{R}.pt`` next to DCP's ``*.distcp`` files (the
 same scheme serves DeepSpeed, whose ``client_state`` only rank 0 writes). Loaded on another world size, a
@@ -44,7 +47,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from course_lib.reference import reference_for
 
 __all__ = ["TrainState", "AsyncCheckpoint", "step_path", "latest", "save", "load", "save_deepspeed",
@@ -214,6 +218,15 @@ class AsyncCheckpoint:
         return self._path
 
 
+def _state_dicts(model, optimizer, for_load: bool = False) -> tuple[dict, dict]:
+    """The model's and the optimizer's state dicts as DCP sees them: ``get_state_dict``, or, for an optimizer
+    that describes its own shards (``dcp_state_dict``), the model's and the optimizer's own."""
+    if hasattr(optimizer, "dcp_state_dict"):
+        optim_sd = optimizer.dcp_state_dict(model, for_load)      # first: it refuses what it cannot save
+        return get_model_state_dict(model), optim_sd
+    return get_state_dict(model, optimizer)
+
+
 @reference_for("09-resume")
 def save(path, *, model, optimizer, scheduler=None, step: int, data_position: int, extra: dict | None = None,
          seed: int = 0, async_save: bool = False, process_group=None) -> AsyncCheckpoint | None:
@@ -228,7 +241,7 @@ def save(path, *, model, optimizer, scheduler=None, step: int, data_position: in
     meta = json.dumps(_meta(step, data_position, seed, world, extra))     # fails before anything is written
     tmp = _prepare(final, rank)
     _save_rng(tmp, rank)                              # this rank's streams, as they are now
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "train_state": meta}
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
@@ -255,12 +268,16 @@ def load(path, *, model, optimizer, scheduler=None) -> TrainState:
     has_sched = any(k.startswith("scheduler.") for k in keys)
     if scheduler is not None and not has_sched:
         raise ValueError(f"{path} holds no learning-rate schedule: pass scheduler=None, or save one with it")
-    model_sd, optim_sd = get_state_dict(model, optimizer)     # the layout this rank wants: DCP fills it in
+    model_sd, optim_sd = _state_dicts(model, optimizer, for_load=True)   # the layout this rank wants: DCP fills it
     state = {"model": model_sd, "optim": optim_sd, "train_state": ""}
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if hasattr(optimizer, "load_dcp_state_dict"):
+        set_model_state_dict(model, state["model"])
+        optimizer.load_dcp_state_dict(state["optim"], model)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
     meta = json.loads(state["train_state"])

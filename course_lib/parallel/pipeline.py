@@ -9,7 +9,7 @@ gradients backward; the loss is computed on the last stage.
 `course_lib.parallel.pipeline_schedules`: naive, GPipe, 1F1B, interleaved 1F1B, ZB-H1) and records, for every op,
 its start and end (start after the input arrived, end when the compute is done, before sending; CUDA events on a
 GPU) and the exact bytes of activations held for backward (saved-tensor hooks,
-`course_lib.measure.SavedActivations`). Between two ops a rank sends the output of the op it finished and receives
+`course_lib.memory_stats.SavedActivations`). Between two ops a rank sends the output of the op it finished and receives
 the input of the next in one batch (``dist.batch_isend_irecv``): a rank waits only for data it needs, so any
 dependency-respecting order runs without deadlock, on gloo and on NCCL (which runs the messages between two ranks in
 one queue: a send and a receive between the same ranks posted apart can wait on each other there; see
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course_lib import measure
+from course_lib import measure, memory_stats
 from course_lib.config import ConfigError
 from course_lib.model import lm_loss
 from course_lib.parallel.collectives import batch_send_recv
@@ -233,7 +233,7 @@ def run_schedule(stage: Stage | list[Stage], order: list, x_mbs: list[torch.Tens
             outputs: list = []
             hooks = record_param_outputs(chunk, outputs) if split else []
             start = clock.stamp()
-            with measure.SavedActivations(chunk) as acts:
+            with memory_stats.SavedActivations(chunk) as acts:
                 out = chunk(inp)
                 if chunk.is_last:
                     loss = loss_fn(out, y_mbs[i].to(device))

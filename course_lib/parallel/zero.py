@@ -13,16 +13,22 @@ data parallelism keeps a full copy of the model state on every rank; ZeRO shards
 Layout (as in PyTorch FSDP2): every parameter tensor is flattened, padded with zeros to a multiple of N and
 cut into N equal chunks; rank r owns chunk r of every parameter. Its "shard" is the list of its chunks.
 The optimizer (any ``torch.optim`` class, e.g. AdamW) is built over the chunks only, so its state is 1/N.
+`ZeroOptimizer` is itself a ``torch.optim.Optimizer``: it takes parameters or parameter groups (stages 1-2; stage 3
+hooks the module's forward, so it takes the module), an LR scheduler drives its ``param_groups`` (the inner
+optimizer's own groups), and its state dict is this rank's shard (`course_lib.parallel.zero_state`, which also
+gives `dist_checkpoint` a form that reshards to another world size).
 
-    zero = ZeroOptimizer(model, torch.optim.AdamW, stage=2, lr=1e-3)   # default process group
+    zero = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)   # default process group
+    sched = torch.optim.lr_scheduler.LambdaLR(zero, lambda step: min(1.0, (step + 1) / 100))
     loss = model.loss(x_local, y_local); loss.backward()
-    zero.step(); zero.zero_grad()
+    zero.step(); sched.step(); zero.zero_grad()
+    zero3 = apply_zero(model, torch.optim.AdamW, stage=3, lr=1e-3)                   # the module: stage 3
 
 On a bf16/fp16 model (``model.to(torch.bfloat16)``) the optimizer steps fp32 master copies of the chunks and the
 gradient shards stay 16-bit: the measured state is the mixed-precision formula, 16P bytes sharded as ZeRO says.
 
 Every collective's payload is counted (``zero.bytes``): all-gather = its output, reduce-scatter = its input,
-as in `course_lib.measure.CollectiveCounter`. A rank sends (N-1)/N of each payload over a ring.
+as in `course_lib.collective_counter.CollectiveCounter`. A rank sends (N-1)/N of each payload over a ring.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course_lib.measure import unique_bytes
+from course_lib.parallel import zero_state
 from course_lib.reference import reference_for
 
 __all__ = ["ZeroOptimizer", "apply_zero", "all_gather_flat", "reduce_scatter_flat", "chunk_numel", "fill_param",
@@ -79,30 +85,39 @@ def free_param(param: nn.Parameter) -> None:
 
 
 @reference_for("05-zero1", "05-zero2-grad", "05-zero3-gather")
-class ZeroOptimizer:
-    """ZeRO stage 1, 2 or 3 over `group` for a plain model, fp32 (see the module docstring).
+class ZeroOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1, 2 or 3 over `group` (see the module docstring): a ``torch.optim.Optimizer``.
 
-    Call ``step()`` after ``backward()`` and ``zero_grad()`` after ``step()``. Parameters are grouped in
-    units (default: each block of ``model.blocks``, and the model itself for the rest); each unit is
-    communicated with one collective (one reduce-scatter of its gradients, one all-gather of its parameters),
-    as FSDP does. Stage 3 gathers a unit in a forward pre-hook, frees it after its forward, gathers it again
-    when the gradient of its output arrives and frees it once its gradients are reduce-scattered; the root
-    unit (embeddings, final norm, head) stays gathered from its forward to the end of backward.
+    ``params``: parameters or parameter groups (dicts with their own lr, weight_decay, ...), as for any torch
+    optimizer (stages 1-2), or the module itself (every stage; stage 3 needs it). ``optimizer_cls(groups of
+    chunks, **defaults)`` is the inner optimizer; ``param_groups`` and ``state`` are its own, so what a scheduler
+    or a learner sets there is what the sharded step uses. Call ``step()`` after ``backward()``, then
+    ``zero_grad()``. Parameters are grouped in units (a module's default: each block of ``model.blocks``, and
+    the model itself for the rest; bare parameters: one unit each; ``units``: modules or lists of parameters);
+    each unit is communicated with one collective (one reduce-scatter of its gradients, one all-gather of its
+    parameters), as FSDP does. Stage 3 gathers a unit in a forward pre-hook, frees it after its forward, gathers
+    it again when the gradient of its output arrives and frees it once its gradients are reduce-scattered; the
+    root unit (embeddings, final norm, head) stays gathered from its forward to the end of backward.
     ``gather_fn(param, chunk, group)`` (stage 3: all-gather one parameter, one collective per tensor) and
     ``free_fn(param)`` replace the built-in gather and free (the exercise plugs in its own).
     """
 
-    def __init__(self, model: nn.Module, optimizer_cls=torch.optim.AdamW, stage: int = 1, group=None,
-                 units: list[nn.Module] | None = None, gather_fn: Callable | None = None,
-                 free_fn: Callable | None = None, **optimizer_kwargs):
+    def __init__(self, params, optimizer_cls=torch.optim.AdamW, stage: int = 1, group=None, *,
+                 units: list | None = None, gather_fn: Callable | None = None, free_fn: Callable | None = None,
+                 **defaults):
         if stage not in (1, 2, 3):
             raise ValueError(f"stage={stage}: ZeRO stages are 1, 2 or 3 (stage 0 is plain data parallelism)")
+        model = params if isinstance(params, nn.Module) else None
+        if model is None and stage == 3:
+            raise ValueError("stage=3 gathers a unit's parameters in its module's forward hooks, so it needs the "
+                             "module, not bare parameters: use apply_zero(model, optimizer_cls, stage=3, ...)")
+        groups = _as_groups(model.parameters() if model is not None else params)
         self.model, self.stage, self.group = model, stage, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.gather_fn, self.free_fn = gather_fn, free_fn or free_param
         self.bytes = collections.Counter()          # payload bytes per collective name
         self.calls = collections.Counter()
-        self.params = [p for p in model.parameters() if p.requires_grad]   # tied weights appear once
+        self.params = list({id(p): p for g in groups for p in g["params"] if p.requires_grad}.values())  # tied: once
         src = dist.get_global_rank(group, 0) if group is not None else 0
         for p in self.params:                       # every rank starts from rank 0's weights
             dist.broadcast(p.data, src=src, group=group)
@@ -132,7 +147,12 @@ class ZeroOptimizer:
                 self.views[i] = mine
                 self.chunks[i] = nn.Parameter(mine.float().clone() if self.mixed else mine)   # (c,) fp32
             self.unit_shard.append(shard if stage == 3 else None)
-        self.optimizer = optimizer_cls(self.chunks, **optimizer_kwargs)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        inner = [dict(g, params=[self.chunks[index[id(p)]] for p in g["params"] if p.requires_grad]) for g in groups]
+        self.optimizer = optimizer_cls(inner, **defaults)
+        super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state   # live: the same objects
+        self._built = True
         self._ready = [0] * len(self.units)
         self._gathered = [stage < 3] * len(self.units)
         self._hooks = []
@@ -146,12 +166,14 @@ class ZeroOptimizer:
                     self._hooks.append(u.register_forward_hook(lambda m, a, out, k=k: self._after_forward(k, out)))
 
     def _make_units(self, units) -> None:
-        if units is None:
-            units = list(getattr(self.model, "blocks", [])) + [self.model]
+        if units is None:                           # bare parameters: one unit each
+            units = (list(getattr(self.model, "blocks", [])) + [self.model] if self.model is not None
+                     else [[p] for p in self.params])
         index = {id(p): i for i, p in enumerate(self.params)}
         self.units, self.unit_modules, self._unit_of, seen = [], [], {}, set()
         for u in units:                             # a parameter belongs to the first unit that holds it
-            ids = [index[id(p)] for p in u.parameters() if id(p) in index and id(p) not in seen]
+            ps = u.parameters() if isinstance(u, nn.Module) else u
+            ids = [index[id(p)] for p in ps if id(p) in index and id(p) not in seen]
             if not ids:
                 continue
             seen.update(id(self.params[i]) for i in ids)
@@ -254,9 +276,14 @@ class ZeroOptimizer:
     # ------------------------------------------------------------------------------ the step
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure: Callable | None = None):
         """Reduce-scatter what is not yet (stage 1: every unit), update the own chunks with the inner
-        optimizer, then (stages 1-2) all-gather the parameters. Stage 3 gathers at the next forward."""
+        optimizer, then (stages 1-2) all-gather the parameters. Stage 3 gathers at the next forward.
+        The gradient shards are used up (stage 1's full gradients stay on the parameters until `zero_grad`)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for k, ids in enumerate(self.units):
             if self.stage == 1 or self._ready[k]:       # stage 2-3: a unit some of whose gradients never came
                 if any(self.params[i].grad is not None for i in ids):
@@ -275,36 +302,43 @@ class ZeroOptimizer:
         if self.stage in (1, 2):
             for k in range(len(self.units)):
                 self._all_gather_unit(k)
+        return loss
 
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-        for chunk in self.chunks:
-            chunk.grad = None
-        self.grad_shards = [None] * len(self.params)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Every gradient this rank holds (the parameters' full ones, the shards) set to None, or with
+        ``set_to_none=False`` zeroed in place where it exists, as in torch."""
+        for g in [p.grad for p in self.params] + [c.grad for c in self.chunks] + self.grad_shards:
+            if g is not None and not set_to_none:
+                g.zero_()
+        if set_to_none:
+            for t in self.params + self.chunks:
+                t.grad = None
+            self.grad_shards = [None] * len(self.params)
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter in full (stage 3 gathers them; collective: call on every rank)."""
-        out = {}
-        names = {id(p): n for n, p in self.model.named_parameters()}
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_built", False):          # torch's __init__ adds the constructor's groups through here
+            raise NotImplementedError("ZeroOptimizer cuts its chunks once, when it is built: pass every parameter "
+                                      "group to the constructor")
+        super().add_param_group(param_group)
+
+    # what it holds (course_lib/parallel/zero_state.py): this rank's shard as a state dict, the same as pieces of
+    # full-length tensors for DCP (any world size), the bytes of model state
+    state_dict = zero_state.shard_state_dict
+    load_state_dict = zero_state.load_shard_state_dict
+    dcp_state_dict = zero_state.dcp_state_dict
+    load_dcp_state_dict = zero_state.load_dcp_state_dict
+    state_bytes = zero_state.state_bytes
+
+    def full_parameters(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """Every parameter in full, by its name in `model` (`zero_state.param_names`; stage 3 gathers them;
+        collective: call on every rank)."""
+        out, names = {}, zero_state.param_names(self, model)
         for i, p in enumerate(self.params):
             c = self.views[i].detach().contiguous()
             full = torch.empty(c.numel() * self.world, dtype=c.dtype, device=c.device)
             all_gather_flat(full, c, group=self.group)
-            out[names[id(p)]] = full[:p.numel()].view_as(p).clone()
+            out[names[i]] = full[:p.numel()].view_as(p).clone()
         return out
-
-    def state_bytes(self) -> dict:
-        """Bytes of model state this rank holds now, counted from the tensors (storages deduplicated):
-        dict(params=, grads=, optimizer=, total=), like `course_lib.measure.model_state_bytes`; with mixed
-        precision ``optimizer`` includes the fp32 master chunks (the formula's K = 12)."""
-        seen: set = set()
-        p_bytes = unique_bytes(list(self.params) + list(self.views), seen)
-        g_bytes = unique_bytes([p.grad for p in self.params] + [c.grad for c in self.chunks] + self.grad_shards, seen)
-        o_bytes = unique_bytes(self.chunks, seen)      # fp32 master chunks (mixed precision only; else seen)
-        o_bytes += sum(unique_bytes([v], seen) for s in self.optimizer.state.values() for v in s.values()
-                       if isinstance(v, torch.Tensor))
-        return dict(params=p_bytes, grads=g_bytes, optimizer=o_bytes, total=p_bytes + g_bytes + o_bytes)
 
     def padded_numel(self) -> int:
         """N x sum of chunk sizes: the parameter count after padding each tensor to a multiple of N."""
@@ -316,8 +350,17 @@ class ZeroOptimizer:
         self._hooks.clear()
 
 
+def _as_groups(params) -> list[dict]:
+    """torch's rule: parameters are one group; dicts are one group each, with their own options."""
+    groups = list(params)
+    if not groups:
+        raise ValueError("ZeroOptimizer got an empty parameter list")
+    return [dict(g, params=list(g["params"])) for g in groups] if isinstance(groups[0], dict) else [{"params": groups}]
+
+
 def apply_zero(model: nn.Module, optimizer_cls=torch.optim.AdamW, stage: int = 1, group=None,
-               **optimizer_kwargs) -> ZeroOptimizer:
-    """Shard `model`'s training state over `group` with ZeRO `stage` (1, 2, 3); returns the optimizer
-    wrapper to call ``step()`` / ``zero_grad()`` on."""
-    return ZeroOptimizer(model, optimizer_cls, stage, group, **optimizer_kwargs)
+               **kwargs) -> ZeroOptimizer:
+    """Shard `model`'s training state over `group` with ZeRO `stage` (1, 2, 3); returns the `ZeroOptimizer`
+    (a ``torch.optim.Optimizer``) to call ``step()`` / ``zero_grad()`` on. kwargs: units, gather_fn, free_fn and
+    the inner optimizer's defaults (lr=...)."""
+    return ZeroOptimizer(model, optimizer_cls, stage, group, **kwargs)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import dist as cdist
-from course_lib import measure
+from course_lib import hardware, measure, memory_stats
 from course_lib.config import get_preset
 from course_lib.data import random_batches
 from course_lib.dist import pick_backend
@@ -30,7 +30,7 @@ KB, MB = 1024, 1024 ** 2
 
 
 def _device(device=None) -> torch.device:
-    return torch.device(device) if device is not None else measure.default_device()
+    return torch.device(device) if device is not None else hardware.default_device()
 
 
 def _dtype(device: torch.device, dtype=None) -> torch.dtype:
@@ -165,7 +165,7 @@ def _collective_worker(world_sizes, ops, sizes):
 
     rank, total = dist.get_rank(), dist.get_world_size()
     dev = cdist.device()
-    label = measure.hardware_label(cdist.backend(), dev)
+    label = hardware.hardware_label(cdist.backend(), dev)
     rows = []
     for ws in world_sizes:
         group = dist.new_group(list(range(ws))) if ws < total else None  # every rank must call new_group
@@ -321,7 +321,7 @@ def _ddp_profile_worker(preset: str, batch_size: int, steps: int):
         results.append(breakdown(work, window))
     tokens = batch_size * cfg.seq_len
     return dict(steps=results, tokens_per_rank=tokens, params=cfg.num_params(), preset=preset,
-                backend=cdist.backend(), hardware=measure.hardware_label(cdist.backend(), dev))
+                backend=cdist.backend(), hardware=hardware.hardware_label(cdist.backend(), dev))
 
 
 def profile_ddp_step(nprocs: int = 2, preset: str | None = None, batch_size: int | None = None,
@@ -380,31 +380,31 @@ def train_step_mfu(cfg, batch_size: int, device=None, warmup: int = 2, repeats: 
     return dict(seconds=seconds, tokens=batch_size * cfg.seq_len,
                 tokens_per_s=measure.tokens_per_s(batch_size * cfg.seq_len, seconds),
                 step_flops=step_flops, flop_s=step_flops / seconds, peak=peak, peak_source=source,
-                mfu=measure.mfu(step_flops / seconds, peak), hardware=measure.hardware_label(device=device))
+                mfu=measure.mfu(step_flops / seconds, peak), hardware=hardware.hardware_label(device=device))
 
 
 def training_memory(cfg, batch_size: int, device=None) -> dict:
     """Measured memory of one Adam training step of ``GPT(cfg)`` (fp32), counted from tensors.
-    ``params, grads, optimizer`` (after one step, :func:`course_lib.measure.model_state_bytes`) and
-    ``activations`` (bytes saved for backward, :class:`course_lib.measure.SavedActivations`), plus
+    ``params, grads, optimizer`` (after one step, :func:`course_lib.memory_stats.model_state_bytes`) and
+    ``activations`` (bytes saved for backward, :class:`course_lib.memory_stats.SavedActivations`), plus
     ``rss`` on CPU or the CUDA allocator's ``peak_allocated`` on GPU, for comparison.
     """
     device = _device(device)
     model, opt, x, y = _train_setup(cfg, batch_size, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with measure.SavedActivations(model) as acts:
+    with memory_stats.SavedActivations(model) as acts:
         loss = model.loss(x, y)
     loss.backward()
     opt.step()
-    state = measure.model_state_bytes(model, opt)
+    state = memory_stats.model_state_bytes(model, opt)
     out = dict(params=state["params"], grads=state["grads"], optimizer=state["optimizer"],
                optimizer_scalars=state["optimizer_scalars"], activations=acts.bytes,
-               params_saved_for_backward=acts.params_saved_bytes, hardware=measure.hardware_label(device=device))
+               params_saved_for_backward=acts.params_saved_bytes, hardware=hardware.hardware_label(device=device))
     if device.type == "cuda":
-        out.update(cuda=measure.cuda_memory_stats(device))
+        out.update(cuda=memory_stats.cuda_memory_stats(device))
     else:
-        out.update(rss=measure.rss_bytes())
+        out.update(rss=memory_stats.rss_bytes())
     return out
 
 
@@ -432,7 +432,7 @@ def counted_flops(cfg, batch: int = 1, seed: int = 0) -> dict:
     total = sum(by_op.values())
     n = idx.numel()
     return {"total": total / n, "matmul": (total - attention) / n, "attention": attention / n,
-            "preset": cfg.name, "tokens": n, "hardware": measure.hardware_label(device="cpu")}
+            "preset": cfg.name, "tokens": n, "hardware": hardware.hardware_label(device="cpu")}
 
 
 def causal_attention_flops(batch: int = 2, heads: int = 4, seq_len: int = 64, head_dim: int = 16) -> dict:

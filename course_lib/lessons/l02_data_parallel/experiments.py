@@ -5,8 +5,8 @@ written once. Functions named ``rank_*`` run inside `course_lib.launch.run` (the
 is initialised); the others run in a single process.
 
 Data: `course_lib.data.random_batches`, identical on every rank; rank r trains on rows [r*B/n, (r+1)*B/n)
-of each global batch of B rows (`course_lib.lessons.common.shard_batch`); the one-process reference is
-`course_lib.lessons.common.train_reference`.
+of each global batch of B rows (`course_lib.data.shard_batch`); the one-process reference is
+`course_lib.one_process.train_reference`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import torch.nn as nn
 
 from course_lib import dist as cdist
 from course_lib.config import ModelConfig
-from course_lib.data import random_batches
-from course_lib.lessons.common import global_mean, grads_of, params_of, shard_batch
+from course_lib.data import random_batches, shard_batch
+from course_lib.dist import global_mean
 from course_lib.measure import Stopwatch, interval_union, intervals_length, synchronize
 from course_lib.model import build_model, lm_loss
+from course_lib.one_process import grads_of, params_of
 from course_lib.parallel.collectives import ByteCounter, ring_all_reduce
 from course_lib.parallel.ddp import BucketedDDP, average_gradients
 from course_lib.reference import reference_for
@@ -39,6 +40,8 @@ def rank_train(cfg: ModelConfig, batches, mode: str = "bucketed", lr: float = 0.
 
     mode: 'naive' (`average_gradients` after backward; `average_fn` replaces it), 'bucketed'
     (`BucketedDDP`, or `ddp_cls(model, group=..., bucket_cap_mb=...)`), 'torch' (PyTorch DDP), 'none'.
+    A DDP that is an `nn.Module` is used as PyTorch DDP is: the loss of its forward, an optimizer over its
+    `parameters()`; any other DDP object only registers hooks, and the plain model is used.
     accum_steps > 1 splits this rank's shard into micro-batches (gradient accumulation with `no_sync`;
     `accum_fn(ddp, model, opt, micro_batches)` replaces the reference loop).
     Returns {'losses' (global mean loss per step), 'params', 'grads' (last step), 'first_grads' (first step;
@@ -54,7 +57,8 @@ def rank_train(cfg: ModelConfig, batches, mode: str = "bucketed", lr: float = 0.
         ddp = (ddp_cls or BucketedDDP)(model, group=group, bucket_cap_mb=bucket_cap_mb)
     elif mode == "torch":
         ddp = nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_cap_mb)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    net = ddp if isinstance(ddp, nn.Module) else model     # a DDP module is used as torch DDP is: forward, parameters
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
     losses, grads, first_grads = [], None, None
     for x, y in batches:
         x, y = shard_batch(x, r, n).to(dev), shard_batch(y, r, n).to(dev)
@@ -62,7 +66,7 @@ def rank_train(cfg: ModelConfig, batches, mode: str = "bucketed", lr: float = 0.
             micro = list(zip(x.chunk(accum_steps), y.chunk(accum_steps)))
             loss = (accum_fn or accumulation_step)(ddp, model, opt, micro)
         else:
-            loss = lm_loss(ddp(x), y) if mode == "torch" else model.loss(x, y)     # torch DDP hooks into forward
+            loss = lm_loss(net(x), y)                        # torch DDP hooks into forward; ours into backward
             loss.backward()
             if mode == "naive":
                 if average_fn is None:

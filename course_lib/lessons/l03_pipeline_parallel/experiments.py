@@ -10,10 +10,10 @@ from __future__ import annotations
 import statistics
 
 from course_lib import dist as cdist
-from course_lib.config import ModelConfig
+from course_lib.config import ModelConfig, small_config
 from course_lib.data import random_batches
-from course_lib.lessons.common import grads_of, small_config
 from course_lib.model import build_model, lm_loss
+from course_lib.one_process import grads_of
 from course_lib.parallel.pipeline import P2P, build_chunks, build_stage, run_schedule, split_microbatches
 from course_lib.parallel.pipeline_messages import p2p_plan
 from course_lib.parallel.pipeline_schedules import bubble_of, schedule_orders, simulate, split_stages

@@ -8,7 +8,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from course_lib.lessons.common import COLORS
+from course_lib.lessons.display import COLORS
 from course_lib.parallel.pipeline_schedules import bubble_of
 
 __all__ = ["pipeline_gantt", "schedules_gantt", "bubble_figure", "activation_peaks_figure"]

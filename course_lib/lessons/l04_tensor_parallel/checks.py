@@ -21,13 +21,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from course_lib.config import ModelConfig
-from course_lib.model import MLP
 from course_lib import dist as cdist
+from course_lib.collective_counter import CollectiveCounter
+from course_lib.config import ModelConfig
 from course_lib.grading.check import check_close, check_equal
-from course_lib.lessons.common import relative_error
+from course_lib.lessons.errors import relative_error
 from course_lib.lessons.l04_tensor_parallel.experiments import tp_group
-from course_lib.measure import CollectiveCounter
+from course_lib.model import MLP
 from course_lib.reference import reference_for
 
 __all__ = ["rank_try_all", "check_records", "reference_impls", "wrong_impls", "EXERCISES"]

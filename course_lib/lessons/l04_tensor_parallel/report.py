@@ -6,7 +6,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from course_lib.lessons.common import COLORS
+from course_lib.lessons.display import COLORS
 from course_lib.theory.tensor import bytes_sent_per_rank, layer_collectives
 
 __all__ = ["tp_memory_figure", "tp_comm_figure"]

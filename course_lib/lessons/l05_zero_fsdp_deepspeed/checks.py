@@ -16,9 +16,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib import dist as cdist
-from course_lib.lessons.common import global_mean, params_of, shard_batch
-from course_lib.measure import CollectiveCounter
+from course_lib.collective_counter import CollectiveCounter
+from course_lib.data import shard_batch
+from course_lib.dist import global_mean
 from course_lib.model import build_model
+from course_lib.one_process import params_of
 
 __all__ = ["FlatZero", "rank_try_flat_zero", "rank_try_reduce_scatter", "rank_try_layer_gather"]
 

@@ -3,7 +3,7 @@
     rows, hw = compare(cfg, nprocs=2, steps=5)      # own ZeRO-1/2/3, DeepSpeed 0-3, FSDP2, DDP: real runs
     print(report.format_table(rows, hw)); report.comparison_chart(rows, hw)
 
-Every variant trains with `course_lib.lessons.common.train_variant` (shared with lessons 06 and 07): the same
+Every variant trains with `course_lib.lessons.variants.train_variant` (shared with lessons 06 and 07): the same
 model, data and optimizer, so that each can be compared with PyTorch DDP exactly. Predicted memory is
 `course_lib.theory.memory.zero_model_state_bytes` (fp32 here, bf16 for the mixed-precision variants).
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 from course_lib import dist as cdist
 from course_lib.config import ModelConfig
 from course_lib.data import random_batches
+from course_lib.hardware import hardware_label
 from course_lib.launch import run
-from course_lib.lessons.common import VARIANTS, train_variant
-from course_lib.measure import hardware_label
+from course_lib.lessons.variants import VARIANTS, train_variant
 from course_lib.model import build_model
 from course_lib.theory.memory import zero_model_state_bytes
 

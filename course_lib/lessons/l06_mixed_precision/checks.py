@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from course_lib.config import small_config
 from course_lib.data import random_batches
-from course_lib.lessons.common import max_abs_error, small_config
+from course_lib.lessons.errors import max_abs_error
 from course_lib.lessons.l06_mixed_precision.experiments import (SCALER_KW, inject_overflow, overflow_steps,
                                                                 scaler_trace)
 from course_lib.model import build_model

@@ -20,9 +20,12 @@ import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
-from course_lib.lessons.common import deepspeed_config, import_deepspeed, shard_batch, train_variant
-from course_lib.measure import SavedActivations, model_state_bytes, synchronize, time_fn
+from course_lib.data import shard_batch
+from course_lib.lessons.variants import train_variant
+from course_lib.measure import synchronize, time_fn
+from course_lib.memory_stats import SavedActivations, model_state_bytes
 from course_lib.model import build_model
+from course_lib.parallel.deepspeed_config import deepspeed_config, import_deepspeed
 from course_lib.parallel.precision import DynamicLossScaler, MasterWeightOptimizer
 
 __all__ = ["SCALER_KW", "overflow_steps", "inject_overflow", "scaler_trace", "rank_scaler_agreement",

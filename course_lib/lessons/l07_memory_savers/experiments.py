@@ -26,9 +26,12 @@ from torch.utils._pytree import tree_flatten
 
 from course_lib import dist as cdist
 from course_lib.data import random_batches
-from course_lib.lessons.common import grads_of, train_variant
-from course_lib.measure import SavedActivations, count_flops, hardware_label, model_state_bytes, time_fn
+from course_lib.hardware import hardware_label
+from course_lib.lessons.variants import train_variant
+from course_lib.measure import count_flops, time_fn
+from course_lib.memory_stats import SavedActivations, model_state_bytes
 from course_lib.model import build_model
+from course_lib.one_process import grads_of
 from course_lib.parallel.checkpointing import (apply_activation_checkpointing, recompute_attention_core,
                                               remove_activation_checkpointing)
 from course_lib.theory.savers import attention_saved_bytes, checkpointed_activation_bytes
@@ -273,7 +276,7 @@ def accumulation_sweep(cfg, global_batch: int = 16, micro_batches=(16, 8, 4, 2, 
 
 
 def rank_offload(cfg, global_batch: int = 8, steps: int = 3, variants=("ds2", "ds2-offload", "ds3", "ds3-offload")):
-    """Runs on every rank: DeepSpeed ZeRO-2/3 with and without CPU offload (`common.train_variant`, as in lesson
+    """Runs on every rank: DeepSpeed ZeRO-2/3 with and without CPU offload (`variants.train_variant`, as in lesson
     05) on the same data; returns per variant the losses, the bytes of every tensor alive on the rank's device (on
     a GPU: the GPU's tensors) and the median step time, and the hardware label."""
     batches = random_batches(cfg, global_batch, steps)

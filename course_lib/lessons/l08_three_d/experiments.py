@@ -10,7 +10,7 @@
 - dp: every gradient of the stage's shards all-reduced once per step (`ddp.average_gradients`), or with ZeRO-1
   reduce-scattered and the parameters all-gathered: the same payload twice over.
 
-Payload is the size of the tensor a call reduces or gathers (what `measure.CollectiveCounter` counts); what a rank
+Payload is the size of the tensor a call reduces or gathers (what `CollectiveCounter` counts); what a rank
 puts on the wire is payload x the collective's bus factor on a ring (`theory.comm.bus_factor`: 2(n-1)/n for an
 all-reduce, (n-1)/n for an all-gather or a reduce-scatter), so that ZeRO-1's reduce-scatter + all-gather, twice an
 all-reduce's payload, send what one all-reduce sends (lesson 05). `wire_bytes` counts that per dimension.
@@ -22,10 +22,11 @@ from __future__ import annotations
 import torch
 
 from course_lib import dist as cdist
-from course_lib.data import random_batches
-from course_lib.lessons.common import max_relative_error, shard_batch, train_reference
-from course_lib.measure import CollectiveCounter
+from course_lib.collective_counter import CollectiveCounter
+from course_lib.data import random_batches, shard_batch
+from course_lib.lessons.errors import max_relative_error
 from course_lib.model import build_model
+from course_lib.one_process import train_reference
 from course_lib.parallel.pipeline_schedules import split_stages
 from course_lib.parallel.three_d import make_optimizer_3d, parallelize_3d, shard_reference, train_step_3d
 from course_lib.theory.comm import bus_factor

@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 
 from course_lib.config import PRESETS
-from course_lib.lessons.common import plain_log_ticks
-from course_lib.measure import GPU_SPECS
-from course_lib.theory.planner import GiB, Cluster, plan
+from course_lib.hardware import GPU_SPECS
+from course_lib.lessons.display import plain_log_ticks
+from course_lib.theory.planner import Cluster, GiB, plan
 
 __all__ = ["grid_figure", "comm_table", "comm_figure", "plan_table", "frontier", "frontier_figure", "planner_widget",
            "throughput_figure"]

@@ -21,12 +21,14 @@ import numpy as np
 import torch
 
 from course_lib.alerts import AlertEngine, Rule
+from course_lib.config import small_config
 from course_lib.data import random_batches
 from course_lib.grading.check import check_close, check_equal, check_true
 from course_lib.launch import run
-from course_lib.lessons.common import grads_of, params_of, relative_error, small_config
+from course_lib.lessons.errors import relative_error
 from course_lib.lessons.l09_training.experiments import dp_tp_gradients, one_process_clip
 from course_lib.model import build_model
+from course_lib.one_process import grads_of, params_of
 from course_lib.parallel import schedules
 from course_lib.reference import reference_for
 

@@ -24,10 +24,11 @@ import torch.distributed as dist
 
 from course_lib import dist as cdist
 from course_lib.config import ModelConfig
-from course_lib.data import get_batch, text_corpus
-from course_lib.lessons.common import import_deepspeed, relative_error, shard_batch
+from course_lib.data import get_batch, shard_batch, text_corpus
+from course_lib.lessons.errors import relative_error
 from course_lib.model import build_model
 from course_lib.parallel import schedules
+from course_lib.parallel.deepspeed_config import import_deepspeed
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"     # the repository's configs/, from any working folder
 RUNS = Path(__file__).resolve().parents[3] / "runs" / "train"

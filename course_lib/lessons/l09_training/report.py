@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from course_lib.lessons.common import COLORS, plain_log_ticks
+from course_lib.lessons.display import COLORS, plain_log_ticks
 from course_lib.theory import practice
 
 __all__ = ["max_relative_difference", "loss_spike", "lr_figure", "warmup_figure", "clip_table", "rules_table",

@@ -1,0 +1,54 @@
+"""What one process computes: the reference every parallel run must reproduce (lesson 02), and snapshots of a
+model's parameters and gradients to compare with it (`course_lib.lessons.errors`).
+
+    cfg = small_config(n_head=4)
+    batches = random_batches(cfg, global_batch=8, steps=3)
+    ref = train_reference(cfg, batches, optimizer="sgd", lr=0.1)
+    ref["losses"], ref["params"], ref["grads"]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from course_lib.config import ModelConfig
+from course_lib.model import build_model, lm_loss
+
+__all__ = ["params_of", "grads_of", "train_reference"]
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{name: a CPU copy of the parameter}: a snapshot that later steps do not change."""
+    return {k: p.detach().clone().cpu() for k, p in model.named_parameters()}
+
+
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{name: a CPU copy of the gradient} of every parameter that has one."""
+    return {k: p.grad.detach().clone().cpu() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def train_reference(cfg: ModelConfig, batches, optimizer: str | None = "sgd", lr: float = 0.1, seed: int = 0,
+                    device: torch.device | str = "cpu") -> dict:
+    """One process on the whole global batch: what every parallel run must reproduce.
+
+    optimizer: 'sgd', 'adamw' or None (forward and backward only: gradients accumulate over the batches).
+    Returns {'losses': [...], 'params' (after the last step), 'grads' (of the last batch), 'first_grads' (of
+    the first), 'logits' (of the last batch)}."""
+    model = build_model(cfg, seed).to(device)
+    opt = None
+    if optimizer is not None:
+        opt = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](model.parameters(), lr=lr)
+    losses, grads, first_grads, logits = [], None, None, None
+    for x, y in batches:
+        logits = model(x.to(device))                                   # (B, T, V)
+        loss = lm_loss(logits, y.to(device))
+        loss.backward()
+        grads = grads_of(model)
+        first_grads = first_grads or grads
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {"losses": losses, "params": params_of(model), "grads": grads, "first_grads": first_grads,
+            "logits": logits.detach() if logits is not None else None}
