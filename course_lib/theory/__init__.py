@@ -8,6 +8,8 @@
 - :mod:`course_lib.theory.pipeline`: the pipeline bubble and the activation memory of GPipe and 1F1B (lesson 03).
 - :mod:`course_lib.theory.tensor`: collectives, parameters and activations per rank under tensor and sequence
   parallelism (lesson 04).
+- :mod:`course_lib.theory.context`: communication, causal work and activations per rank under context
+  parallelism (lesson 10).
 - :mod:`course_lib.theory.savers`: activation checkpointing, accumulation and attention memory (lesson 07).
 - :mod:`course_lib.theory.practice`: GPU-hours and money of a run, the optimum checkpoint interval (lesson 09).
 
@@ -15,6 +17,6 @@ Every formula is checked against a measurement in the tests. ``from course_lib i
 ``theory.memory.zero_model_state_bytes(...)``.
 """
 
-from course_lib.theory import comm, flops, memory, pipeline, practice, savers, tensor
+from course_lib.theory import comm, context, flops, memory, pipeline, practice, savers, tensor
 
-__all__ = ["comm", "flops", "memory", "pipeline", "practice", "savers", "tensor"]
+__all__ = ["comm", "context", "flops", "memory", "pipeline", "practice", "savers", "tensor"]
