@@ -4,13 +4,14 @@
     .venv/bin/python benchmarks/bench_planner.py --no-rank    # without the search over layouts (seconds)
 
 What is compared: for each published run (Narayanan et al. 2021's table 1 weak-scaling rows and table 2's GPT-3
-175B, BLOOM-176B, Llama 3 405B), the planner prices exactly the published layout (dp x tp x pp, ZeRO, full
-recomputation, micro-batch, pipeline schedule with its v, the software's overlap) and turns its step time into
+175B, BLOOM-176B, Llama 3 405B at 8K and, with context parallelism 16, at 128K tokens: issue 31, not scored), the
+planner prices exactly the published layout (dp x tp x pp (x cp), ZeRO, full recomputation, micro-batch, pipeline
+schedule with its v, the software's overlap) and turns its step time into
 TFLOP/s per GPU with the source's own FLOP count (Megatron-LM's 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), which counts
 the recomputed forward). One constant, the A100's matmul efficiency (a hardware FLOPs utilisation), is calibrated on
 ONE row (`published.CALIBRATION`) and held fixed for every other row; beside it a constant baseline applies the
 calibration row's fraction of peak to every row and nothing else. No hardware is measured here: the GPU figures are
-datasheet numbers (`measure.GPU_SPECS`). Target (issue 30): median |error| <= 5 %, max <= 10 %, median below the
+datasheet numbers (`hardware.GPU_SPECS`). Target (issue 30): median |error| <= 5 %, max <= 10 %, median below the
 baseline's. Then each published layout's rank among the planner's feasible layouts of the same cluster and batch,
 and the planner's gain of interleaved 1F1B over 1F1B against torchtitan's reported 100 -> 128 tokens/s per GPU.
 """
@@ -22,8 +23,8 @@ import time
 
 
 def main() -> None:
+    from course_lib.hardware import GPU_SPECS, hardware_label
     from course_lib.lessons.l08_three_d import published
-    from course_lib.measure import GPU_SPECS, hardware_label
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-rank", action="store_true", help="skip the planner's search over layouts")
@@ -32,7 +33,7 @@ def main() -> None:
     print(f"runs on: {hardware_label('gloo')} (formulas only; GPUs by datasheet: "
           + ", ".join(f"{k} {GPU_SPECS[k].bf16_tflops:g} TFLOP/s bf16, {GPU_SPECS[k].mem_bw_gbs:g} GB/s HBM"
                       for k in ("A100", "H100")) + ")")
-    eff, rows = published.throughput_table(rank=not args.no_rank)
+    eff, rows = published.throughput_table(published.THROUGHPUT_RUNS + published.LONG_CONTEXT, rank=not args.no_rank)
     gain = published.interleaving_gain(eff)
     tt = published.TORCHTITAN_405B
     print(f"interleaving gain, {tt['source']}: planner {gain['predicted']:+.1%} "
@@ -47,6 +48,9 @@ def main() -> None:
               "planner's first")
         for t in rows:
             print(f"  {t.run.name:<30} rank {t.rank or '-'} of {t.n_feasible}; best {t.best}")
+    print("context parallelism (issue 31), at the calibrated efficiency:")
+    for run in published.LONG_CONTEXT:
+        print(published.long_context_text(published.long_context(run, eff)))
     print(f"({time.perf_counter() - t0:.1f} s)")
     print(published.throughput_text(eff, rows))
 

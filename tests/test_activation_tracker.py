@@ -59,3 +59,21 @@ def test_wrong_counts_miss_the_measurement(rows):
             wrong["34 sbh / t"] = 34 * sbh / t
         for name, count in wrong.items():
             assert abs(count / measured - 1) > 0.10, (name, r)
+
+
+def test_planner_cp_activations_within_10_percent_on_512_fake_ranks():
+    """Context parallelism (issue 31): Llama-3-70B's widths in the course's gpt2-style block, a 131,072-token
+    sequence, dp 4 x cp 16 x tp 8 = 512 fake ranks, rank 0's s/cp = 8,192 tokens, ring and all-gather attention of
+    lesson 10 over the cp group (`simulate_context`, ~30 s): the planner's bytes per layer per GPU within 10 % of the
+    tracker; 1/cp of the planner's count without CP; the all-gather's extra is the whole sequence's K/V."""
+    from course_lib.lessons.l08_three_d.simulate_context import CP_LAYOUTS, fake_group_cp_activations
+    rows = fake_group_cp_activations()
+    assert [(r["dp"], r["cp"], r["tp"], r["variant"]) for r in rows] == [tuple(x) for x in CP_LAYOUTS]
+    for r in rows:
+        assert r["world"] >= 512 and r["seq_len"] == 131072
+        assert r["saved_bytes"] == pytest.approx(r["tracker_bytes"], rel=0.01), r
+        assert abs(r["planner_bytes"] / r["tracker_bytes"] - 1) < 0.10, r
+    ring, ag = rows
+    assert ring["planner_bytes"] == pytest.approx(ring["planner_no_cp_bytes"] / ring["cp"], rel=1e-6)
+    kv = 2 * 2 * ring["seq_len"] * 8192 // ring["tp"]                  # bf16 K and V of the sequence, 1/tp
+    assert ag["tracker_bytes"] - ring["tracker_bytes"] == pytest.approx(kv, rel=0.02)

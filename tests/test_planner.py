@@ -10,11 +10,10 @@ import math
 import pytest
 
 from course_lib.config import get_preset
+from course_lib.hardware import GPU_SPECS
 from course_lib.lessons.l08_three_d.simulate import LAYOUTS, fake_group_shards
-from course_lib.measure import GPU_SPECS
-from course_lib.theory import comm
+from course_lib.theory import comm, pipeline
 from course_lib.theory.memory import zero_model_state_bytes
-from course_lib.theory import pipeline
 from course_lib.theory.planner import (NOT_MODELLED, Cluster, GiB, Layout, elementwise_bytes, estimate,
                                        gemm_intensity, korthikanti_layer_bytes, layer_activation_bytes, layer_params,
                                        link, model_state_bytes, plan, position_params, stage_params)
@@ -304,3 +303,108 @@ def test_memory_bound_kernels_follow_the_roofline():
     ridge = A100.bf16_tflops * 1e12 / (A100.mem_bw_gbs * 1e9)
     assert gemm_intensity(GPT3, 8) > 3 * ridge
     assert unfused.memory["activations"] > none.memory["activations"]          # no SP in 2021: 2sbh per layer
+
+
+# ------------------------------------------------------------------------------ context parallelism (issue 31)
+
+LLAMA405 = get_preset("llama3-405b")
+RO_CE = Cluster("2048 x 8 H100", 2048, 8, 50.0)
+
+
+def _cp(cp=16, variant="ring", ckpt="full", dp=8, tp=8, pp=16, seq=131072, cluster=RO_CE, batch=128, **kw):
+    return estimate(LLAMA405, H100, cluster, Layout(dp, tp, pp, 1, ckpt, 1, "1f1b", 1, "dp", cp, variant), batch, seq,
+                    **kw)
+
+
+def test_cp_one_changes_nothing():
+    """cp = 1 is lesson 08's planner: same label, same numbers, and plan() lists no cp unless asked."""
+    for layout in (Layout(16, 8, 12, 1, "full", 1), Layout(16, 8, 12, 0, "none", 2, "interleaved", 2, "dp+tp")):
+        one = dataclasses.replace(layout, cp=1, cp_variant="ulysses")      # the variant is moot at cp = 1
+        a, b = estimate(GPT3, A100, WIDE, layout, 1536), estimate(GPT3, A100, WIDE, one, 1536)
+        assert one.label() == layout.label() and "cp" not in layout.label()
+        assert (a.memory, a.time, a.why) == (b.memory, b.time, b.why)
+        assert a.time["cp"] == 0 == a.exposed["cp"]
+    default = plan(GPT3, A100, IB, 1536, micro_batches=(1,), zeros=(1,))
+    assert all(r.layout.cp == 1 for r in default)
+    asked = plan(GPT3, A100, IB, 1536, micro_batches=(1,), zeros=(1,), cps=(1, 2))
+    assert [r.layout for r in asked if r.layout.cp == 1] == [r.layout for r in default]
+    assert any(r.layout.cp == 2 for r in asked) and "cp2" in next(r for r in asked if r.layout.cp == 2).layout.label()
+
+
+def test_cp_refusals_name_the_field_and_the_fix():
+    assert "seq_len=131088 is not divisible by 2 x cp = 32" in _cp(seq=131088).why     # load-balanced split
+    assert "use cp=8 or a seq_len multiple of 32" in _cp(seq=131088).why
+    why = _cp(cp=16, tp=8, seq=2 * 16 * 4, batch=128).why                            # 8 tokens per CP rank, tp 8
+    assert "seq_len/cp = 8 tokens per CP rank are not divisible by tp=8" not in why  # 8 % 8 == 0: fine
+    assert "not divisible by tp=8" in _cp(cp=16, tp=8, seq=2 * 16 * 6).why           # 12 tokens per CP rank
+    ul = _cp(variant="ulysses").why                                                   # 8 KV heads, tp x cp = 128
+    assert "cp_variant='ulysses' needs tp x cp = 128 to divide n_head=128 and n_kv_head=8" in ul
+    assert "cp_variant='ring'" in ul
+    assert _cp(variant="ulysses", cp=1, dp=128).why == ""                             # no CP, nothing to refuse
+    assert "dp x tp x pp x cp = 8192, not the cluster's 16384 GPUs" in _cp(dp=4).why
+    with pytest.raises(ValueError, match="cp_variant='zigzag'"):
+        _cp(variant="zigzag")
+    with pytest.raises(ValueError, match="cp=0 must be a positive int"):
+        _cp(cp=0)
+
+
+def test_cp_divides_activations_and_logits_and_keeps_the_variants_extra():
+    """Each GPU holds s/cp tokens: activations (every recomputation choice) and the last stage's logits fall as
+    1/cp; the all-gather keeps the whole sequence's K/V (GQA: n_kv_head x head_dim / tp wide), Ulysses its output
+    twice; model states are the same parameters sharded over dp x cp."""
+    from course_lib.theory import context
+    from course_lib.theory.planner import activation_bytes_per_gpu, cp_extra_layer_bytes
+    s = 131072
+    for ckpt in ("none", "selective", "full"):
+        base = activation_bytes_per_gpu(LLAMA405, Layout(8, 8, 16, 1, ckpt, 1), 16, s // 16)  # s/16 tokens, no CP
+        for cp in (2, 4, 16):
+            layout = Layout(128 // cp, 8, 16, 1, ckpt, 1, cp=cp)
+            acts = activation_bytes_per_gpu(LLAMA405, layout, 16, s)
+            one = activation_bytes_per_gpu(LLAMA405, Layout(128, 8, 16, 1, ckpt, 1), 16, s)
+            assert acts == pytest.approx(one / cp, rel=1e-6), (ckpt, cp)
+        assert activation_bytes_per_gpu(LLAMA405, Layout(8, 8, 16, 1, ckpt, 1, cp=16), 16, s) == base
+    ring, ag = _cp(ckpt="none"), _cp(ckpt="none", variant="all_gather")
+    kv = 2 * s * LLAMA405.n_kv_head * LLAMA405.head_dim // 8 * 2                      # bf16 K and V, 1/tp of them
+    assert cp_extra_layer_bytes(LLAMA405, ag.layout, s) == kv
+    assert kv == context.extra_activation_bytes("all_gather", 1, s, LLAMA405.d_model // 8, 16, 2,
+                                                LLAMA405.n_kv_head * LLAMA405.head_dim // 8)
+    assert ag.memory["activations"] - ring.memory["activations"] == pytest.approx(8 * 16 * kv, rel=1e-6)
+    ul = Layout(8, 8, 16, 1, "none", 1, cp=16, cp_variant="ulysses")
+    assert cp_extra_layer_bytes(LLAMA405, ul, s) == s // 16 * LLAMA405.d_model // 8 * 2
+    no_cp = estimate(LLAMA405, H100, RO_CE, Layout(128, 8, 16, 1, "full", 1, "1f1b", 1, "dp"), 128, s)
+    assert _cp().memory["model_states"] == pytest.approx(no_cp.memory["model_states"])   # ZeRO over dp x cp = 128
+    one_stage = _cp(pp=1, dp=128, batch=2048)                           # pp = 1: the only stage holds the logits
+    assert one_stage.memory["logits"] == pytest.approx(8192 * LLAMA405.vocab_size / 8 * 6)   # s/cp = 8,192
+
+
+def test_cp_exchange_on_the_alpha_beta_model():
+    """The K/V bytes are theory.context's; all-gather and Ulysses are exposed whole, the ring hides all but the
+    last dK/dV hop when a block's attention outlasts a chunk's transfer (Llama 3 405B at 128K: it does), and less
+    as the blocks shrink; the step is never above the no-overlap bound; a CP group inside a node uses NVLink."""
+    from course_lib.theory import context
+    from course_lib.theory.planner import cp_layer_time, link
+    ag = _cp(variant="all_gather", ckpt="none")
+    lay = ag.layout
+    alpha, bw = link(RO_CE, H100, 8, 16)
+    assert bw == 50e9                                                   # tp 8 x cp 16 spans 16 nodes
+    whole = 2 * 131072 * 1024 // 8 * 2                                   # K and V of the sequence, 1/tp, bf16
+    table = context.layer_comm("all_gather", 1, 131072, LLAMA405.d_model // 8, 16, 2, kv_dim=1024 // 8)
+    assert table[("forward", "all_gather")]["bytes"] == whole
+    t = cp_layer_time(LLAMA405, H100, RO_CE, lay, 131072)
+    assert t["forward"] == pytest.approx(comm.collective_time("all_gather", whole, 16, alpha, bw))
+    assert t["forward_exposed"] == t["forward"] and t["backward_exposed"] == t["backward"]
+    layers, m = 8, 16
+    assert ag.time["cp"] == pytest.approx(layers * m * (t["forward"] + t["backward"]))
+    for e in (ag, _cp(variant="all_gather"), _cp(), _cp(ckpt="none")):
+        assert e.time["total"] <= e.no_overlap_s + 1e-12 and e.exposed["cp"] <= e.time["cp"] + 1e-12
+        assert e.no_overlap_s - e.time["total"] == pytest.approx(
+            sum(e.time[k] - e.exposed[k] for k in ("tp", "pp", "dp", "cp")))
+    ring = cp_layer_time(LLAMA405, H100, RO_CE, dataclasses.replace(lay, cp_variant="ring"), 131072)
+    send = alpha + 2 * 131072 // 16 * 128 * 2 / bw                     # one K/V chunk
+    assert ring["forward_exposed"] == 0 and ring["backward_exposed"] == pytest.approx(send)
+    assert ring["forward"] == pytest.approx(15 * send) and ring["backward"] == pytest.approx(31 * send)
+    short = cp_layer_time(LLAMA405, H100, RO_CE, dataclasses.replace(lay, cp_variant="ring"), 2048)
+    assert short["forward_exposed"] > 0                                  # 64-token blocks hide nothing
+    node = Cluster("1 x 8 H100", 1, 8, None)
+    assert link(node, H100, 2, 4)[1] == H100.link_gbs * 1e9              # tp 2 x cp 4 inside a node
+    assert estimate(LLAMA405, H100, node, Layout(1, 2, 1, 3, "full", 1, cp=4), 1, 32768).time["cp"] > 0

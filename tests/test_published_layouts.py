@@ -14,7 +14,7 @@ from course_lib.config import ModelConfig, get_preset
 from course_lib.lessons.l08_three_d import published
 from course_lib.lessons.l08_three_d.published import (LEFT_OUT, PUBLISHED, SEED_EFFICIENCY, check_all,
                                                       efficiency_estimates, method_by_size)
-from course_lib.measure import GPU_SPECS
+from course_lib.hardware import GPU_SPECS
 from course_lib.theory.planner import Cluster, GiB, model_state_bytes, plan, position_params, stage_params
 
 
@@ -254,3 +254,40 @@ def test_interleaving_gain_against_torchtitan():
     assert "Interleaved 1F1B | 128" in published.TORCHTITAN_405B["quote"]
     # torchtitan splits 126 layers into uneven chunks, which Megatron's rule refuses: said, not hidden
     assert g["rows"]["1f1b"].feasible and "does not divide the layers per stage" in g["rows"]["interleaved"].why
+
+
+# ------------------------------------------------------------------- context parallelism (issue 31)
+
+def test_llama3_128k_row_is_table_4_row_3_and_feasible():
+    """Llama 3's table 4, row 3 (16,384 H100s, TP 8, CP 16, PP 16, DP 8, sequence 131,072, batch size/DP 16, 16M
+    tokens, 380 TFLOP/s, 38 % MFU) beside its two 8K rows: the same source, cluster and tokens per batch; the
+    published shape fits in 80 GiB and ranks among the planner's feasible layouts, with the reason printed."""
+    r = published.LLAMA3_128K
+    k16, k8 = (next(p for p in PUBLISHED if p.name == n) for n in ("Llama 3 405B, 16K GPUs", "Llama 3 405B, 8K GPUs"))
+    assert (r.cluster.n_gpus, r.tp, r.cp, r.pp, r.dp, r.seq_len) == (16384, 8, 16, 16, 8, 131072)
+    assert r.dp * r.tp * r.pp * r.cp == r.cluster.n_gpus == k16.cluster.n_gpus
+    assert r.global_batch // r.dp == 16 and r.global_batch * r.seq_len == k16.global_batch * k16.seq_len == 2 ** 24
+    assert (r.reported_tflops, k16.reported_tflops, k8.reported_tflops) == (380.0, 400.0, 430.0)
+    assert r.reported_mfu == pytest.approx(0.38, abs=0.005) and r.source == k16.source and not r.scored
+    assert r.cp_variant == "all_gather" and "Table 4, row 3" in r.note
+    assert r not in published.THROUGHPUT_RUNS and r not in PUBLISHED      # lesson 08's tables are unchanged
+    out = published.long_context(r)
+    row = out["row"]
+    assert row.feasible and row.memory["total"] < 80 * GiB
+    assert (row.layout.dp, row.layout.tp, row.layout.pp, row.layout.cp, row.layout.cp_variant) == (8, 8, 16, 16,
+                                                                                                  "all_gather")
+    assert out["rank"] >= 1 and out["shape_rank"] >= 1 and out["n_feasible"] >= out["rank"]
+    assert out["best"].time["total"] <= row.time["total"]
+    assert out["none"].memory["total"] > 80 * GiB                     # without recomputation the planner says no
+    assert "{" not in out["why"] and f"{out['facts']['none_gib']:.0f} GiB" in out["why"]
+    assert "rank" in published.long_context_text(out)
+
+
+def test_throughput_rows_are_unchanged_by_the_cp_row():
+    """The benchmark's table with the 128K row appended: every other row predicts the same TFLOP/s; the summary
+    counts scored rows only, so it is the same line."""
+    eff, rows = published.throughput_table(rank=False)
+    eff2, rows2 = published.throughput_table(published.THROUGHPUT_RUNS + published.LONG_CONTEXT, rank=False)
+    assert eff2 == eff and [t.predicted for t in rows2[:-1]] == [t.predicted for t in rows]
+    assert published.throughput_summary(rows2) == published.throughput_summary(rows)
+    assert "8x8x16cp16" in published.throughput_text(eff2, rows2)

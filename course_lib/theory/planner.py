@@ -63,6 +63,27 @@ stages (the first holds the embedding, the last the head and the loss; Llama 3 t
 pipeline messages and Megatron-LM's scatter/gather of them, ZB-H2 and ZBV, a matmul efficiency that changes with
 shapes below the ridge point, Float8, the cross-entropy's memory traffic, stragglers and the memory allocator. The
 defaults (1F1B, no overlap, ``elementwise="none"``) are lesson 08's first planner, which its exercises reproduce.
+
+**Context parallelism** (``layout.cp``, default 1: every number above unchanged; lesson 10, `theory.context`): the
+world is dp x tp x pp x cp, ranks ordered TP innermost, then CP, then DP, then PP (Llama 3 orders [TP, CP, PP, DP];
+its PP and DP both cross nodes, as here), so a CP group is ``cp`` ranks ``tp`` apart (`link`). Each rank holds s/cp
+tokens of every sequence: activations, logits, the TP and PP messages and the memory-bound kernels' bytes are those
+of s/cp tokens, plus what the variant keeps beyond them (`context.extra_activation_bytes`: the all-gather's K/V of
+the whole sequence, Ulysses' second copy of the output). The CP ranks hold the same parameters: gradients are reduced
+and ZeRO shards over dp x cp (Megatron-LM's data-parallel group with CP, torchtitan's ``dp_shard_cp`` mesh), on
+`link` (stride tp, size dp x cp). The K/V exchange per layer and micro-batch (`context.layer_comm`, K/V ``n_kv_head x
+head_dim / tp`` wide, bf16) on the alpha-beta model of the CP group, forward (twice with recomputation: the recomputed
+forward exchanges again) and backward: ``time["cp"]``, the no-overlap bound. What hides (``exposed["cp"]``), an
+assumption stated: ring (``cp_variant="ring"``, Liu et al. 2023) posts each of its cp-1 forward transfers before a
+step's block of attention and hides it behind that block, the rank's causal attention forward / cp
+(`context.causal_work_per_rank`, balanced split: equal on every rank and nearly so at every step); in backward each
+step's K/V and dK/dV transfers hide behind that step's block backward (2x its forward), the last dK/dV hop home stays
+exposed (Megatron-LM's CP pipelines them so); all-gather (``"all_gather"``, Llama 3 section 3.3.2) and Ulysses
+(``"ulysses"``, Jacobs et al. 2023) are exposed whole. Refused with the field and the fix: s not divisible by 2 cp
+(the load-balanced split, `context.causal_work_per_rank`), s/cp not divisible by tp (sequence parallelism inside the
+TP group), Ulysses where tp x cp does not divide n_head and n_kv_head (each rank attends with n_head / (tp cp) heads
+of the whole sequence). `plan` adds cp only when asked (``cps=``); left out: the attention work imbalance of a
+contiguous split (the balanced split is assumed), CP with the 2021 block.
 """
 
 from __future__ import annotations
@@ -71,13 +92,15 @@ import dataclasses
 import math
 
 from course_lib.config import ModelConfig
-from course_lib.theory import comm, flops, pipeline
 from course_lib.reference import reference_for
+from course_lib.theory import comm, flops, pipeline
+from course_lib.theory import context as cp_theory
 
 __all__ = ["Cluster", "Layout", "Estimate", "estimate", "plan", "link", "layer_params", "position_params",
            "stage_params", "model_state_bytes", "layer_activation_bytes", "korthikanti_layer_bytes",
            "activation_bytes_per_gpu", "CKPT", "GiB", "NOT_MODELLED", "SCHEDULES", "OVERLAPS", "ELEMENTWISE",
-           "DDP_BUCKET_BYTES", "TRAFFIC_PASSES", "elementwise_bytes", "gemm_intensity"]
+           "DDP_BUCKET_BYTES", "TRAFFIC_PASSES", "elementwise_bytes", "gemm_intensity", "CP_VARIANTS", "cp_refusals",
+           "cp_layer_time"]
 
 CKPT = ("none", "selective", "full")
 GiB = 2 ** 30           # GPU memory: an "80 GB" A100 holds 80 GiB (nvidia-smi: 81,920 MiB), not 80 x 10^9 bytes
@@ -87,6 +110,7 @@ OVERLAPS = ("none", "dp", "dp+tp")              # what communication hides behin
 ELEMENTWISE = ("none", "fused", "unfused")      # the memory-bound kernels' HBM traffic (`elementwise_bytes`)
 DDP_BUCKET_BYTES = 25 * 2 ** 20                 # PyTorch DDP's bucket_cap_mb=25: the last bucket cannot hide
 TRAFFIC_PASSES = {"none": 4, "selective": 4, "full": 5}   # HBM passes over what a layer keeps (`elementwise_bytes`)
+CP_VARIANTS = cp_theory.VARIANTS                         # "ring", "all_gather", "ulysses" (lesson 10)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +142,14 @@ class Layout:
     schedule: str = "1f1b"              # "1f1b", "interleaved" (v model chunks per rank) or "zb-h1"
     v: int = 1                          # model chunks per rank (interleaved only; 1 otherwise)
     overlap: str = "none"               # "none", "dp" (DP/ZeRO buckets), "dp+tp" (also TP: --tp-comm-overlap)
+    cp: int = 1                         # context-parallel ranks: each holds s/cp tokens of every sequence
+    cp_variant: str = "ring"            # "ring", "all_gather" (Llama 3) or "ulysses" (`CP_VARIANTS`)
 
     def label(self) -> str:
-        """``dp16 tp8 pp12 zero0 ckpt=full mb1``, then the schedule and overlap where they are not the defaults."""
-        out = f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero} ckpt={self.ckpt} mb{self.micro_batch}"
+        """``dp16 tp8 pp12 zero0 ckpt=full mb1``, then the schedule and overlap where they are not the defaults;
+        ``cp16`` (and the variant unless ring) after pp where cp > 1."""
+        cp = f" cp{self.cp}" + (f" {self.cp_variant}" if self.cp_variant != "ring" else "") if self.cp > 1 else ""
+        out = f"dp{self.dp} tp{self.tp} pp{self.pp}{cp} zero{self.zero} ckpt={self.ckpt} mb{self.micro_batch}"
         if self.schedule != "1f1b":
             out += f" {self.schedule}" + (f" v{self.v}" if self.schedule == "interleaved" else "")
         return out + (f" overlap={self.overlap}" if self.overlap != "none" else "")
@@ -134,14 +162,14 @@ class Estimate:
     layout: Layout
     accum: int                         # micro-batches per DP rank per step (m)
     memory: dict                       # model_states, activations, logits, reserve, total
-    time: dict                         # compute, bubble, tp, pp, dp, total
+    time: dict                         # compute, bubble, tp, pp, dp, cp, total
     why: str = ""
     tokens_per_s: float = 0.0
     mfu: float = 0.0                   # model FLOPs / (GPUs x peak x step time)
     hfu: float = 0.0                   # executed FLOPs (recomputation included) / (GPUs x peak x step time)
     memory_stage: str = "first"        # the stage whose memory is reported: "first", "last" or "only" (pp = 1)
     not_modelled: str = ""             # a layout the planner has no schedule for (pipeline with ZeRO-2/3)
-    exposed: dict = dataclasses.field(default_factory=dict)   # tp, pp, dp: seconds left after overlap
+    exposed: dict = dataclasses.field(default_factory=dict)   # tp, pp, dp, cp: seconds left after overlap
     in_flight: float = 1.0             # micro-batches (of a whole stage) the first stage holds at its peak
     p2p_messages: int = 0              # point-to-point messages per micro-batch on the busiest rank
     p2p_bytes: float = 0.0             # bytes a rank sends to its pipeline neighbours per step
@@ -150,7 +178,7 @@ class Estimate:
     def no_overlap_s(self) -> float:
         """The step time if no communication hid behind compute: the upper bound beside ``time["total"]``."""
         t = self.time
-        return t["total"] - sum(self.exposed.values()) + t["tp"] + t["pp"] + t["dp"]
+        return t["total"] - sum(self.exposed.values()) + t["tp"] + t["pp"] + t["dp"] + t.get("cp", 0.0)
 
     @property
     def feasible(self) -> bool:
@@ -292,12 +320,16 @@ def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_l
     ``block="2021"``: Megatron-LM's block of 2021 (no sequence parallelism, attention that keeps its ``a s x s``
     scores): Korthikanti et al.'s ``sbh (10 + 24/t + 5as/(ht))`` per layer (`korthikanti_layer_bytes`), and with
     full recomputation a layer input of ``2sbh`` (whole on every TP rank).
+
+    With context parallelism (``layout.cp > 1``) every count is of the rank's s/cp tokens, and a layer also keeps
+    what its variant keeps beyond them (`cp_extra_layer_bytes`; the ring nothing).
     """
     s = cfg.seq_len if seq_len is None else seq_len
     b, h, t = layout.micro_batch, cfg.d_model, layout.tp
     layers = math.ceil(cfg.n_layer / layout.pp)
+    full_s, s = s, s // layout.cp                                       # the rank's s/cp tokens
     parts = layer_activation_bytes(cfg, t, s, b)
-    full_layer = sum(parts.values())
+    full_layer = sum(parts.values()) + cp_extra_layer_bytes(cfg, layout, full_s)
     if block == "2021":
         full_layer = korthikanti_layer_bytes(cfg, t, s, b, sequence_parallel=False)
         kept = {"none": full_layer, "full": 2 * s * b * h,
@@ -315,6 +347,79 @@ def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_l
     in_flight = stage_in_flight(layout, accum, stage)
     extra = full_layer if layout.ckpt == "full" else 0                  # the layer being recomputed
     return int(per_mb * in_flight + extra)
+
+
+def cp_extra_layer_bytes(cfg: ModelConfig, layout: Layout, seq_len: int) -> int:
+    """Bytes a layer keeps on one GPU beyond its own s/cp tokens under the layout's CP variant, in bf16, of the
+    rank's 1/tp of the heads (`context.extra_activation_bytes`: all-gather 2 b s kv_dim / tp, the whole sequence's
+    K/V; Ulysses b (s/cp) h / tp; ring 0). ``kv_dim = n_kv_head x head_dim`` (GQA)."""
+    t = layout.tp
+    return cp_theory.extra_activation_bytes(layout.cp_variant, layout.micro_batch, seq_len, cfg.d_model // t,
+                                            layout.cp, 2, kv_dim=cfg.n_kv_head * cfg.head_dim // t)
+
+
+def cp_refusals(cfg: ModelConfig, layout: Layout, seq_len: int) -> list[str]:
+    """Why cp ranks cannot split this layout's sequence (empty if they can; nothing to say at cp = 1): each reason
+    names the field and the fix (lesson 10, `parallel.context.validate_context_parallel` for one CP group)."""
+    cp, t, s = layout.cp, layout.tp, seq_len
+    if cp == 1:
+        return []
+    why = []
+    if s % (2 * cp):
+        ok = max((c for c in range(1, cp) if cp % c == 0 and s % (2 * c) == 0), default=1)
+        why.append(f"seq_len={s} is not divisible by 2 x cp = {2 * cp} (the load-balanced split cuts each sequence "
+                   f"into 2cp chunks, rank i holding chunks i and 2cp-1-i): use cp={ok} or a seq_len multiple of "
+                   f"{2 * cp}")
+    elif (s // cp) % t:
+        why.append(f"seq_len/cp = {s // cp} tokens per CP rank are not divisible by tp={t} (sequence parallelism "
+                   f"splits them over the TP group, ordered inside the CP group): use a smaller cp or tp")
+    if layout.cp_variant == "ulysses" and (cfg.n_head % (t * cp) or cfg.n_kv_head % (t * cp)):
+        kv = cfg.n_kv_head // t if cfg.n_kv_head % t == 0 else 0
+        ok = ", ".join(str(c) for c in range(1, kv + 1) if kv % c == 0) or "none"
+        why.append(f"cp_variant='ulysses' needs tp x cp = {t * cp} to divide n_head={cfg.n_head} and n_kv_head="
+                   f"{cfg.n_kv_head} (TP first gives each rank n_head/tp heads, Ulysses' all-to-all then 1/cp of "
+                   f"those): use cp in {{{ok}}} or cp_variant='ring' or 'all_gather'")
+    return why
+
+
+def cp_layer_time(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, seq_len: int,
+                  kernel_efficiency: float = 0.4) -> dict:
+    """Seconds of one layer's K/V exchange per micro-batch on one GPU, and what of it the attention does not hide
+    (the module docstring's rule): ``forward``, ``backward`` (no overlap) and ``forward_exposed``,
+    ``backward_exposed``. Bytes: `context.layer_comm` of the rank's 1/tp of the heads in bf16, K/V ``n_kv_head x
+    head_dim / tp`` wide; a send costs alpha + bytes / bandwidth, a collective `comm.collective_time`, on `link`
+    (stride tp, size cp). Ring: forward, cp-1 steps each hide one K/V chunk's send behind one block of attention
+    (the rank's causal attention forward, `context.causal_work_per_rank` balanced, / cp, at ``kernel_efficiency``);
+    backward, each step's K/V and dK/dV sends behind the step's block backward (2x its forward), the last dK/dV hop
+    home exposed."""
+    cp, t, b = layout.cp, layout.tp, layout.micro_batch
+    zero = dict(forward=0.0, backward=0.0, forward_exposed=0.0, backward_exposed=0.0)
+    if cp == 1:
+        return zero
+    variant, kv_dim = layout.cp_variant, cfg.n_kv_head * cfg.head_dim // t
+    table = cp_theory.layer_comm(variant, b, seq_len, cfg.d_model // t, cp, 2, kv_dim=kv_dim)
+    alpha, bw = link(cluster, gpu, t, cp)
+
+    def seconds(phase: str) -> float:
+        out = 0.0
+        for (ph, op), row in table.items():
+            if ph == phase:
+                one = row["bytes"] / row["calls"]
+                out += row["calls"] * (alpha + one / bw if op == "send" else
+                                       comm.collective_time(op, one, cp, alpha, bw))
+        return out
+
+    fwd, bwd = seconds("forward"), seconds("backward")
+    if variant != "ring":
+        return dict(forward=fwd, backward=bwd, forward_exposed=fwd, backward_exposed=bwd)
+    heads = cfg.n_head // t
+    scores = cp_theory.causal_work_per_rank(seq_len, cp, "balanced", b, heads)[0]   # score elements, forward
+    block_fwd = 4 * cfg.head_dim * scores / cp / (gpu.bf16_tflops * 1e12 * kernel_efficiency)  # QK^T and PV
+    send = alpha + cp_theory.kv_chunk_bytes(b, seq_len, 0, cp, 2, kv_dim) / bw                # one K/V chunk
+    fwd_exposed = (cp - 1) * max(0.0, send - block_fwd)
+    bwd_exposed = (cp - 1) * max(0.0, 2 * send - 2 * block_fwd) + send   # K/V + dK/dV per step; the last hop home
+    return dict(forward=fwd, backward=bwd, forward_exposed=min(fwd, fwd_exposed),
+                backward_exposed=min(bwd, bwd_exposed))
 
 
 def stage_in_flight(layout: Layout, accum: int, stage: str = "first") -> float:
@@ -379,7 +484,7 @@ def link(cluster: Cluster, gpu, stride: int, size: int) -> tuple[float, float]:
 def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_batch: int,
              seq_len: int | None = None, kernel_efficiency: float = 0.4, reserve_gib: float = 2.0,
              grad_bytes: int = 4, elementwise: str = "none", bucket_bytes: float = DDP_BUCKET_BYTES) -> Estimate:
-    """Memory per GPU and step time of one layout (see the module docstring). ``gpu``: a `measure.GPUSpec` (its
+    """Memory per GPU and step time of one layout (see the module docstring). ``gpu``: a `hardware.GPUSpec` (its
     ``mem_gb`` read as GiB); ``kernel_efficiency``: the assumed fraction of peak at which the GPUs execute their
     matmul FLOPs (recomputation included: a hardware FLOPs utilisation); ``grad_bytes``: 4 (fp32 gradients, the
     default of Megatron-LM and Llama 3) or 2 (bf16); ``elementwise``: "none" (matmuls only, the default), "fused"
@@ -388,10 +493,18 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     activations are then counted without sequence parallelism (`activation_bytes_per_gpu`, ``block="2021"``);
     ``bucket_bytes``: the gradient bucket that cannot hide when ``layout.overlap`` overlaps DP."""
     s = cfg.seq_len if seq_len is None else seq_len
-    dp, tp, pp, b = layout.dp, layout.tp, layout.pp, layout.micro_batch
+    dp, tp, pp, b, cp = layout.dp, layout.tp, layout.pp, layout.micro_batch, layout.cp
     why, not_modelled = [], ""
-    if dp * tp * pp != cluster.n_gpus:
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp={cp!r} must be a positive int (the number of context-parallel ranks; 1: none)")
+    if layout.cp_variant not in CP_VARIANTS:
+        raise ValueError(f"cp_variant={layout.cp_variant!r}: choose one of {', '.join(CP_VARIANTS)}")
+    if cp == 1 and dp * tp * pp != cluster.n_gpus:
         why.append(f"dp x tp x pp = {dp * tp * pp}, not the cluster's {cluster.n_gpus} GPUs")
+    elif cp > 1 and dp * tp * pp * cp != cluster.n_gpus:
+        why.append(f"dp x tp x pp x cp = {dp * tp * pp * cp}, not the cluster's {cluster.n_gpus} GPUs: pick dp = "
+                   f"{cluster.n_gpus} / (tp x pp x cp)")
+    why += cp_refusals(cfg, layout, s)
     if cfg.n_head % tp or cfg.d_ff % tp:
         why.append(f"tp={tp} does not divide n_head={cfg.n_head} and d_ff={cfg.d_ff}")
     if pp > cfg.n_layer:
@@ -419,7 +532,8 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
                        f"(Megatron-LM asserts it): change the global batch or the micro-batch")
     elif layout.v != 1:
         why.append(f"v={layout.v} model chunks need schedule='interleaved' (schedule={layout.schedule!r} has 1)")
-    logits = b * s * cfg.vocab_size / tp * (2 + 4)
+    n = s // cp                                                         # tokens of a sequence on one GPU
+    logits = b * n * cfg.vocab_size / tp * (2 + 4)
     # ZeRO-3 / FSDP gathers each layer's 16-bit parameters before using it, and prefetches the next: two layers
     # whole (of the TP shard) beside the shards, in forward and again in backward (the unsharded gradient of the
     # layer in backward, before its reduce-scatter, is left out)
@@ -427,7 +541,7 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     stages = {}                                                         # each stage's memory; the largest counts
     for stage in (("only",) if pp == 1 else ("first", "last")):
         which = "last" if stage == "last" else "first"
-        states = model_state_bytes(stage_params(cfg, tp, pp, which), dp, layout.zero, grad_bytes)["total"]
+        states = model_state_bytes(stage_params(cfg, tp, pp, which), dp * cp, layout.zero, grad_bytes)["total"]
         acts = activation_bytes_per_gpu(cfg, layout, accum, s, which, "2021" if elementwise == "unfused" else "today")
         parts = dict(model_states=states, activations=acts, logits=0 if stage == "first" else logits,
                      zero3_buffers=gathered, reserve=reserve_gib * GiB)
@@ -447,7 +561,7 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     compute = model_flops * recompute / (cluster.n_gpus * gpu.bf16_tflops * 1e12 * kernel_efficiency)
     layers = math.ceil(cfg.n_layer / pp)
     # memory-bound kernels: HBM bytes / bandwidth, per layer per micro-batch, for the stage's layers
-    memory_bound = layers * accum * elementwise_bytes(cfg, tp, s, b, layout.ckpt, elementwise) / (gpu.mem_bw_gbs * 1e9)
+    memory_bound = layers * accum * elementwise_bytes(cfg, tp, n, b, layout.ckpt, elementwise) / (gpu.mem_bw_gbs * 1e9)
     # the optimizer step is memory-bound too: it reads and writes each model-state byte of the GPU once
     optimizer = 0.0 if elementwise == "none" else 2 * memory["model_states"] / (gpu.mem_bw_gbs * 1e9)
     work = compute + memory_bound                                       # one GPU's busy time per step
@@ -463,16 +577,17 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
         t_b = per_mb - t_f - t_w
         idle = pipeline.zero_bubble_idle_time if layout.schedule == "zb-h1" else pipeline.one_f_one_b_idle_time
         bubble = idle(pp, t_f, t_b, t_w)        # 1F1B: (pp - 1) x per_mb = work (pp - 1) / m
-    act_msg = b * s * cfg.d_model * 2                                   # bf16 (b, s, h)
+    act_msg = b * n * cfg.d_model * 2                                   # bf16 (b, s/cp, h)
     alpha, bw = link(cluster, gpu, 1, tp)
     per_ar = comm.collective_time("all_reduce", act_msg, tp, alpha, bw)
     tp_time = layers * accum * (6 if layout.ckpt == "full" else 4) * per_ar
-    alpha, bw = link(cluster, gpu, tp * dp, pp)
+    alpha, bw = link(cluster, gpu, tp * cp * dp, pp)
     # each chunk a rank holds sends its activations forward and their gradients backward: 2 v messages per
     # micro-batch on a middle rank (`pipeline.p2p_messages_per_microbatch` over the pp ranks, rounded up)
     p2p_messages = math.ceil(pipeline.p2p_messages_per_microbatch(pp, layout.v) / pp) if pp > 1 else 0
     pp_time = accum * p2p_messages * (alpha + act_msg / tp / bw)
-    alpha, bw = link(cluster, gpu, tp, dp)
+    alpha, bw = link(cluster, gpu, tp, dp * cp)        # the ranks holding the same parameters: DP x CP
+    dp_cp = dp * cp
     P_gpu = stage_params(cfg, tp, pp)
     grads, params16 = grad_bytes * P_gpu, 2 * P_gpu
     # the last bucket holds at least the token embedding's shard: its gradient is complete only when the backward
@@ -488,28 +603,33 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
         return max(t - behind, t * min(1.0, last_part)) if overlap_dp else t
 
     if layout.zero == 3:                    # per micro-batch: gather for forward and backward, scatter the gradients
-        ag, rs = (comm.collective_time("all_gather", params16, dp, alpha, bw),
-                  comm.collective_time("reduce_scatter", grads, dp, alpha, bw))
+        ag, rs = (comm.collective_time("all_gather", params16, dp_cp, alpha, bw),
+                  comm.collective_time("reduce_scatter", grads, dp_cp, alpha, bw))
         dp_time = accum * (2 * ag + rs)
         # prefetched layer by layer behind the same micro-batch's forward / backward, but the first layer's gather
         dp_exposed = accum * (hidden(ag, fwd_mb, 1 / layers) + hidden(ag + rs, bwd_mb, 1 / layers))
     elif layout.zero in (1, 2):             # reduce-scatter the gradients, all-gather the updated bf16 parameters
-        rs = comm.collective_time("reduce_scatter", grads, dp, alpha, bw)
-        ag = comm.collective_time("all_gather", params16, dp, alpha, bw)
+        rs = comm.collective_time("reduce_scatter", grads, dp_cp, alpha, bw)
+        ag = comm.collective_time("all_gather", params16, dp_cp, alpha, bw)
         dp_time = rs + ag
         # gradients behind the last micro-batch's backward, parameters behind the next step's first forward
         # (Megatron-LM --overlap-grad-reduce --overlap-param-gather): all but the last bucket of each
         dp_exposed = hidden(rs, bwd_mb, last_bucket / grads) + hidden(ag, fwd_mb, last_bucket / grads)
     else:                                   # plain data parallelism: all-reduce the gradients
-        dp_time = comm.collective_time("all_reduce", grads, dp, alpha, bw)
+        dp_time = comm.collective_time("all_reduce", grads, dp_cp, alpha, bw)
         # DDP's buckets: all-reduced while the last micro-batch's backward runs, all but the last bucket
         dp_exposed = hidden(dp_time, bwd_mb, last_bucket / grads)
     # TP: Megatron-Core --tp-comm-overlap / PyTorch async TP split each matmul into tp chunks and move one chunk while
     # the next multiplies: all hides behind the matmuls but one chunk in tp
     tp_exposed = max(tp_time - compute, tp_time / tp) if layout.overlap == "dp+tp" and tp > 1 else tp_time
-    exposed = dict(tp=tp_exposed, pp=pp_time, dp=dp_exposed)            # p2p is never overlapped here
-    time = dict(compute=compute, bubble=bubble, tp=tp_time, pp=pp_time, dp=dp_time, memory_bound=memory_bound,
-                optimizer=optimizer)
+    # CP: the K/V exchange of every layer and micro-batch, forward (again in a recomputed forward) and backward
+    cpt = cp_layer_time(cfg, gpu, cluster, layout, s, kernel_efficiency)
+    again = 2 if layout.ckpt in ("selective", "full") else 1           # the recomputed attention exchanges again
+    cp_time = layers * accum * (again * cpt["forward"] + cpt["backward"])
+    cp_exposed = layers * accum * (again * cpt["forward_exposed"] + cpt["backward_exposed"])
+    exposed = dict(tp=tp_exposed, pp=pp_time, dp=dp_exposed, cp=cp_exposed)   # p2p is never overlapped here
+    time = dict(compute=compute, bubble=bubble, tp=tp_time, pp=pp_time, dp=dp_time, cp=cp_time,
+                memory_bound=memory_bound, optimizer=optimizer)
     time["total"] = compute + memory_bound + optimizer + bubble + sum(exposed.values())
     est = Estimate(layout, accum, memory, time, "; ".join(why), memory_stage=memory_stage, not_modelled=not_modelled,
                    exposed=exposed, in_flight=stage_in_flight(layout, accum, "first"), p2p_messages=p2p_messages,
@@ -528,7 +648,7 @@ def _divisors(n: int) -> list[int]:
 def plan(cfg: ModelConfig, gpu, cluster: Cluster, global_batch: int, seq_len: int | None = None,
          kernel_efficiency: float = 0.4, micro_batches=(1, 2, 4, 8), zeros=(0, 1, 2, 3), ckpts=CKPT,
          reserve_gib: float = 2.0, grad_bytes: int = 4, schedules=("1f1b",), vs=(2, 3, 4), overlaps=("none",),
-         elementwise: str = "none") -> list[Estimate]:
+         elementwise: str = "none", cps=(1,), cp_variants=("ring",)) -> list[Estimate]:
     """Every layout (tp a divisor of a node's GPUs, pp any divisor of the rest, dp what remains; each ZeRO stage,
     recomputation, micro-batch, schedule and overlap asked for): feasible ones first by step time, then the
     infeasible ones with their reasons, then those not modelled (a pipeline with ZeRO-2/3). A tp that does not divide
@@ -537,12 +657,18 @@ def plan(cfg: ModelConfig, gpu, cluster: Cluster, global_batch: int, seq_len: in
     not is a layout nobody can run; `estimate` says why when asked); a pipeline schedule only where pp > 1.
 
     pp is not only a power of two: BLOOM ran pp=12 on 384 GPUs (`lessons.l08_three_d.published`), and on
-    3 x 2^k GPUs with a batch of 2^k sequences every power-of-two pp leaves a dp that does not divide the batch."""
+    3 x 2^k GPUs with a batch of 2^k sequences every power-of-two pp leaves a dp that does not divide the batch.
+
+    Context parallelism joins only when asked: each cp of ``cps`` (default 1, lesson 08's layouts) that divides the
+    GPUs left by tp, with each variant of ``cp_variants`` (lesson 10; `estimate` refuses a cp the sequence or the
+    heads cannot take, and says why)."""
     n = cluster.n_gpus
     rows = []
-    for tp in [d for d in _divisors(min(cluster.gpus_per_node, n)) if n % d == 0]:
-        for pp in _divisors(n // tp):
-            dp = n // (tp * pp)
+    shapes = [(tp, cp, variant) for tp in [d for d in _divisors(min(cluster.gpus_per_node, n)) if n % d == 0]
+              for cp in cps if n % (tp * cp) == 0 for variant in (cp_variants if cp > 1 else ("ring",))]
+    for tp, cp, variant in shapes:
+        for pp in _divisors(n // (tp * cp)):
+            dp = n // (tp * pp * cp)
             kinds = [("1f1b", 1)] if pp == 1 else (
                 [(sch, 1) for sch in schedules if sch != "interleaved"]
                 + [("interleaved", v) for v in vs if "interleaved" in schedules and cfg.n_layer % (pp * v) == 0])
@@ -551,8 +677,8 @@ def plan(cfg: ModelConfig, gpu, cluster: Cluster, global_batch: int, seq_len: in
                     for b in micro_batches:
                         for sch, v in kinds:
                             for ov in overlaps:
-                                rows.append(estimate(cfg, gpu, cluster, Layout(dp, tp, pp, zero, ckpt, b, sch, v, ov),
-                                                     global_batch, seq_len, kernel_efficiency, reserve_gib,
-                                                     grad_bytes, elementwise))
+                                layout = Layout(dp, tp, pp, zero, ckpt, b, sch, v, ov, cp, variant)
+                                rows.append(estimate(cfg, gpu, cluster, layout, global_batch, seq_len,
+                                                     kernel_efficiency, reserve_gib, grad_bytes, elementwise))
     order = {"feasible": 0, "infeasible": 1, "not modelled": 2}
     return sorted(rows, key=lambda e: (order[e.status], e.time["total"], e.memory["total"]))

@@ -21,6 +21,10 @@
   peak); :func:`throughput_text` prints the table `benchmarks/bench_planner.py` prints.
   :func:`interleaving_gain`: the planner's gain of interleaved 1F1B over 1F1B on torchtitan's 405B layout beside the
   reported 100 -> 128 tokens/s per GPU.
+- :data:`LONG_CONTEXT` (issue 31): Llama 3 405B's 128K row, context parallelism 16 (all-gather), kept out of the two
+  tables above so that lesson 08's outputs stay as they are; :func:`long_context` places its shape among the
+  planner's layouts with cp (`planner.plan(cps=...)`) and says why it ranks where it does; the benchmark adds it to
+  its throughput table (not scored).
 
 :func:`check_published` runs the planner as a learner first meets it (1F1B, no overlap, matmuls only, efficiency
 0.4): its MFU is then a lower bound, and a published layout that relies on what that leaves out ranks lower than the
@@ -36,12 +40,13 @@ import statistics
 import time
 
 from course_lib.config import ModelConfig, get_preset
-from course_lib.measure import GPU_SPECS
+from course_lib.hardware import GPU_SPECS
 from course_lib.theory import flops
-from course_lib.theory.planner import (CKPT, SCHEDULES, Cluster, Estimate, GiB, Layout, estimate,
+from course_lib.theory.planner import (CKPT, CP_VARIANTS, SCHEDULES, Cluster, Estimate, GiB, Layout, estimate,
                                        korthikanti_layer_bytes, plan, stage_in_flight)
 
 __all__ = ["Source", "PublishedRun", "PUBLISHED", "WEAK_SCALING", "THROUGHPUT_RUNS", "CALIBRATION", "TORCHTITAN_405B",
+           "LONG_CONTEXT", "long_context", "long_context_text",
            "interleaving_gain", "layout_of", "source_flops", "predict", "predicted_tflops", "calibrate", "Throughput",
            "rank_among_layouts", "throughput_table", "throughput_summary", "throughput_text", "Check",
            "check_published", "check_all", "published_table",
@@ -74,7 +79,7 @@ class PublishedRun:
 
     name: str
     preset: str
-    gpu: str                            # key of measure.GPU_SPECS
+    gpu: str                            # key of hardware.GPU_SPECS
     nodes: int
     gpus_per_node: int
     inter_gbs_per_gpu: float            # GB/s per GPU between nodes, one way
@@ -103,6 +108,8 @@ class PublishedRun:
     flop_count: str = "megatron"        # how the source counts FLOPs: "megatron" (96 B s l h^2 (...)) or "model"
     scored: bool = True                 # False: shown, but out of the error summary (``note`` says why)
     model: ModelConfig | None = None    # the model when it is not a preset (Narayanan et al.'s table 1 shapes)
+    cp: int = 1                         # context-parallel ranks (world = dp x tp x pp x cp)
+    cp_variant: str = "ring"            # "ring", "all_gather" (Llama 3) or "ulysses" (`planner.CP_VARIANTS`)
 
     @property
     def config(self) -> ModelConfig:
@@ -223,6 +230,34 @@ PUBLISHED: tuple[PublishedRun, ...] = (
 )
 
 
+# Llama 3's long-context row (issue 31): context parallelism 16. Not in PUBLISHED nor THROUGHPUT_RUNS (lesson 08's
+# tables stay as they are); benchmarks/bench_planner.py adds it to its table and prints `long_context_text`.
+LLAMA3_128K = PublishedRun(
+    "Llama 3 405B, 128K context", "llama3-405b", "H100", 2048, 8, 50.0, "400 Gb/s RoCE per GPU",
+    global_batch=128, seq_len=131072, dp=8, tp=8, pp=16, zero=None, ckpt=None, micro_batch=None,
+    schedule="interleaved 1F1B (flexible number of micro-batches)", reported_tflops=380.0,
+    counts_recompute=False, stated_mfu=0.38, grad_bytes=4, source=LLAMA3, overlap="dp", kernels="fused",
+    flop_count="model", scored=False, cp=16, cp_variant="all_gather",
+    note="Table 4, row 3: 16,384 GPUs, TP 8, CP 16, PP 16, DP 8, sequence 131,072, batch size/DP 16, 16M tokens "
+         "per batch (8 x 16 = 128 sequences of 131,072 = 16,777,216 tokens, as the 8K rows' 2,048 x 8,192), 380 "
+         "TFLOP/s per GPU, 38 % BF16 MFU (380 / 989.4 = 38.4 %). The GPUs, TP, CP, PP, tokens per batch and "
+         "TFLOP/s agree with a second transcription (P. Balaji's SC'24 slide as glennklockwood.com/garden/llama-3.1 "
+         "quotes it); DP 8 = 16,384 / (8 x 16 x 16). Section 3.3.2: context parallelism that all-gathers K and V "
+         "and attends the local queries (cp_variant 'all_gather'), ranks ordered [TP, CP, PP, DP]. Cluster, FSDP "
+         "(ZeRO-1 stands in), fp32 gradients (grad_bytes 4) and schedule as the 8K rows; the paper does not say "
+         "whether the 128K stage checkpoints activations (ckpt unstated: the throughput row prices none, as the 8K "
+         "rows; `long_context` takes the planner's best feasible choice of the shape). Read from a transcription of "
+         "the paper (arXiv 2407.21783), as the 8K rows.",
+    why_not="The published shape fits with {shape_best} ({shape_best_gib:.0f} GiB per GPU): without recomputation "
+            "its pipeline schedule keeps {in_flight} micro-batches of {layers} layers on the first stage, "
+            "{none_gib:.0f} GiB > {capacity:g} GiB (Llama 3's freed stage tensors and uneven stages are left out, "
+            "as for the 8K rows), so its best row recomputes, which costs {recompute_share:.0%} of its step. The "
+            "all-gather is not overlapped in the planner: {cp_share:.1%} of the step, where the ring hides its "
+            "transfers behind the blocks ({ring_cp_share:.1%} exposed at the same shape). The planner's best, "
+            "{best} ({best_gib:.0f} GiB), runs {speedup:.2f}x faster: {best_why}.")
+LONG_CONTEXT: tuple[PublishedRun, ...] = (LLAMA3_128K,)
+
+
 NARAYANAN_T1 = Source(NARAYANAN.title, NARAYANAN.authors, 2021, "2104.04473",
                       "table 1 (weak scaling, 1.7B-1T); each row's micro-batch, schedule and DDP from the paper's "
                       "artifact, NVIDIA/Megatron-LM examples/sc21/run_table_1.sh")
@@ -322,7 +357,13 @@ def interleaving_gain(kernel_efficiency: float = 0.4) -> dict:
 def layout_of(run: PublishedRun) -> Layout:
     """The run's layout in the planner's terms (unstated ZeRO / recomputation / micro-batch: ZeRO-1, none, 1)."""
     return Layout(run.dp, run.tp, run.pp, 1 if run.zero is None else run.zero, run.ckpt or "none",
-                  run.micro_batch or 1, run.pipeline, run.v, run.overlap)
+                  run.micro_batch or 1, run.pipeline, run.v, run.overlap, run.cp, run.cp_variant)
+
+
+def _cps(run: PublishedRun) -> tuple:
+    """The cp degrees a run's ranking enumerates: 1 alone without CP (lesson 08's layouts); with CP, 1 and every
+    power of two up to 2 cp."""
+    return (1,) if run.cp == 1 else tuple(2 ** k for k in range(int(math.log2(2 * run.cp)) + 1))
 
 
 def source_flops(run: PublishedRun) -> float:
@@ -398,7 +439,8 @@ def rank_among_layouts(run: PublishedRun, kernel_efficiency: float) -> tuple[int
                 micro_batches=sorted({1, 2, 4, 8, mine.micro_batch}), zeros=sorted({0, mine.zero} if old else {0, 1}),
                 ckpts=("none", "full") if old else CKPT, grad_bytes=run.grad_bytes,
                 schedules=("1f1b", "interleaved") if old else SCHEDULES, vs=sorted({2, 3, 4, mine.v} - {1}),
-                overlaps=(run.overlap,), elementwise=run.kernels)
+                overlaps=(run.overlap,), elementwise=run.kernels, cps=_cps(run),
+                cp_variants=CP_VARIANTS if run.cp > 1 else ("ring",))
     feasible = [r for r in rows if r.feasible]
     rank = next((i + 1 for i, r in enumerate(feasible) if r.layout == mine), None)
     if not feasible:
@@ -406,6 +448,71 @@ def rank_among_layouts(run: PublishedRun, kernel_efficiency: float) -> tuple[int
     mine_s = predict(run, kernel_efficiency).time["total"]
     ratio = mine_s / feasible[0].time["total"]
     return rank, len(feasible), f"{feasible[0].layout.label()} (published step / best step = {ratio:.2f})"
+
+
+def long_context(run: PublishedRun = LLAMA3_128K, kernel_efficiency: float = 0.4) -> dict:
+    """A context-parallel run among the planner's layouts of its model, cluster, batch and sequence (every tp, pp,
+    cp of `_cps`, CP variant, ZeRO 0-1, recomputation, micro-batch, schedule; the run's overlap and kernels). The
+    published shape (dp, tp, pp, cp, variant) at its best feasible row, its rank among all feasible rows and among
+    shapes, the planner's best, and ``why``: the run's ``why_not`` with these numbers filled in."""
+    cfg, gpu = run.config, GPU_SPECS[run.gpu]
+    t0 = time.perf_counter()
+    rows = plan(cfg, gpu, run.cluster, run.global_batch, run.seq_len, kernel_efficiency, zeros=(0, 1),
+                schedules=SCHEDULES, grad_bytes=run.grad_bytes, overlaps=(run.overlap,), elementwise=run.kernels,
+                cps=_cps(run), cp_variants=CP_VARIANTS)
+    feasible = [r for r in rows if r.feasible]
+
+    def shape(lay: Layout) -> tuple:
+        return lay.dp, lay.tp, lay.pp, lay.cp, lay.cp_variant if lay.cp > 1 else "ring"
+
+    mine = (run.dp, run.tp, run.pp, run.cp, run.cp_variant)
+    row = next((r for r in feasible if shape(r.layout) == mine), None)
+    if row is None:
+        raise ValueError(f"{run.name}: no feasible layout of the published shape {mine}")
+    shapes = list(dict.fromkeys(shape(r.layout) for r in feasible))
+    best = feasible[0]
+    one = lambda lay: estimate(cfg, gpu, run.cluster, lay, run.global_batch, run.seq_len, kernel_efficiency,
+                               grad_bytes=run.grad_bytes, elementwise=run.kernels)
+    none = one(dataclasses.replace(row.layout, ckpt="none"))
+    ring = one(dataclasses.replace(row.layout, cp_variant="ring"))
+    tot = row.time["total"]
+    recompute = row.time["compute"] * (1 - row.mfu / row.hfu)          # the recomputed forward's share of compute
+    diffs = []
+    if best.layout.cp != run.cp:
+        diffs.append(f"cp {best.layout.cp} leaves {run.seq_len // best.layout.cp:,} tokens per GPU, which fit "
+                     f"without recomputation" if best.layout.ckpt == "none" else f"cp {best.layout.cp}")
+    if best.layout.cp_variant != run.cp_variant:
+        diffs.append(f"the {best.layout.cp_variant} variant ({best.exposed['cp'] / best.time['total']:.1%} of its "
+                     f"step exposed)")
+    if best.layout.schedule != row.layout.schedule:
+        diffs.append(f"{best.layout.schedule} (bubble {best.time['bubble'] / best.time['total']:.0%} of its step, "
+                     f"{row.time['bubble'] / tot:.0%} here)")
+    facts = dict(shape_best=row.layout.label(), shape_best_gib=row.memory["total"] / GiB,
+                 in_flight=stage_in_flight(row.layout, row.accum), layers=math.ceil(cfg.n_layer / run.pp),
+                 none_gib=none.memory["total"] / GiB, capacity=gpu.mem_gb, recompute_share=recompute / tot,
+                 cp_share=row.exposed["cp"] / tot, ring_cp_share=ring.exposed["cp"] / ring.time["total"],
+                 best=best.layout.label(), best_gib=best.memory["total"] / GiB, speedup=tot / best.time["total"],
+                 best_why="; ".join(diffs) or "the same shape")
+    return dict(run=run, row=row, rank=feasible.index(row) + 1, shape_rank=shapes.index(mine) + 1,
+                n_feasible=len(feasible), n_shapes=len(shapes), n_layouts=len(rows), best=best, none=none,
+                ring=ring, facts=facts, why=run.why_not.format(**facts), seconds=time.perf_counter() - t0,
+                predicted_tflops=tflops_of(run, row))
+
+
+def long_context_text(out: dict) -> str:
+    """What `long_context` found, in a few lines."""
+    r, row = out["run"], out["row"]
+    return "\n".join([
+        f"{r.name}: published dp {r.dp} x tp {r.tp} x pp {r.pp} x cp {r.cp} ({r.cp_variant}), batch {r.global_batch}"
+        f" x {r.seq_len:,} tokens on {r.cluster.n_gpus:,} {r.gpu}s; reported {r.reported_tflops:g} TFLOP/s per GPU "
+        f"({r.stated_mfu:.0%} MFU)",
+        f"  feasible as {row.layout.label()}: {row.memory['total'] / GiB:.1f} GiB per GPU, step {row.time['total']:.1f}"
+        f" s, {out['predicted_tflops']:.0f} TFLOP/s per GPU (MFU {row.mfu:.1%}); rank {out['rank']} of "
+        f"{out['n_feasible']} feasible layouts, its shape {out['shape_rank']} of {out['n_shapes']} shapes; CP "
+        f"exchange {row.time['cp']:.2f} s per step, {row.exposed['cp']:.2f} s exposed",
+        f"  the planner's best: {out['best'].layout.label()} (step {out['best'].time['total']:.1f} s, MFU "
+        f"{out['best'].mfu:.1%})",
+        f"  why: {out['why']}"])
 
 
 def throughput_table(runs=THROUGHPUT_RUNS, calibration: str = CALIBRATION, rank: bool = True) -> tuple[float, list]:
@@ -449,7 +556,8 @@ def throughput_text(eff: float, rows: list, calibration: str = CALIBRATION) -> s
         comm = sum(e.exposed.values())
         mark = " (calibration)" if r.name == calibration else ("" if r.scored else " (not scored)")
         rank = (f" {f'{t.rank}/{t.n_feasible}' if t.rank else f'-/{t.n_feasible}':>9}" if t.n_feasible else "")
-        lines.append(f"{r.name:<30} {r.cluster.n_gpus:>5} {f'{r.dp}x{r.tp}x{r.pp}':>13} {layout_of(r).micro_batch:>3} "
+        shape = f"{r.dp}x{r.tp}x{r.pp}" + (f"cp{r.cp}" if r.cp > 1 else "")
+        lines.append(f"{r.name:<30} {r.cluster.n_gpus:>5} {shape:>13} {layout_of(r).micro_batch:>3} "
                      f"{sched:>14} {r.overlap:>7} {t.predicted:>8.1f} {t.reported:>8.1f} {t.error:>+7.1%} "
                      f"{t.baseline:>8.1f} {t.baseline_error:>+7.1%} {e.time['bubble'] / tot:>6.1%} "
                      f"{comm / tot:>5.1%}{rank}{mark}")

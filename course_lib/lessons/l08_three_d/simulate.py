@@ -147,8 +147,9 @@ def _simulate(layouts) -> list[dict]:
     return rows
 
 
-def _in_fresh_process(fn: str, layouts, timeout_s: float) -> list[dict]:
-    code = (f"import json, sys\nfrom course_lib.lessons.l08_three_d.simulate import {fn}\n"
+def _in_fresh_process(fn: str, layouts, timeout_s: float, module: str = __name__) -> list[dict]:
+    """``module.fn(layouts)`` in a fresh Python process (a fake process group is global state); its JSON result."""
+    code = (f"import json, sys\nfrom {module} import {fn}\n"
             f"print(json.dumps({fn}(json.loads(sys.argv[1]))))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps([list(x) for x in layouts])], capture_output=True,
                          text=True, timeout=timeout_s)
