@@ -166,6 +166,18 @@ TERMS: dict[str, str] = {
     "fault tolerance": "容错",
     "mean time between failures (MTBF)": "平均故障间隔时间（MTBF）",
     "GPU-hours": "GPU 小时",
+    # long sequences: context parallelism (lesson 10)
+    "long sequence": "长序列",
+    "context parallelism": "上下文并行",
+    "ring attention": "环形注意力",
+    "blockwise attention": "分块注意力",
+    "online softmax": "在线 softmax",
+    "log-sum-exp": "对数求和指数（log-sum-exp）",
+    "load-balanced split": "负载均衡切分",
+    "all-gather context parallelism": "全收集式上下文并行",
+    "Ulysses all-to-all": "Ulysses 全对全通信",
+    "all-to-all": "全对全",
+    "grouped-query attention (GQA)": "分组查询注意力（GQA）",
 }
 
 _ROW = re.compile(r"^\|\s*(?P<en>[^|]+?)\s*\|\s*(?P<zh>[^|]*?)\s*\|\s*$")

@@ -67,6 +67,11 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
         "q2": ("2f1e96df65472ce0172d321c", 0.02, "section 5.2: the job's MTBF first, then Young's interval"),
         "q3": ("c56eed5b7724ce735e65923b", 0.01, "section 2: the norm the bug computes, then the clipping rule there"),
     },
+    "10": {
+        "q1": ("3a260455ceb6fe058b23ad8a", 0.01, "section 4: the ring's forward sends, cp - 1 K/V chunks of 2 B (s/cp) C b"),
+        "q2": ("efed06a0f8085e6e19823b54", None, "section 3: the contiguous split's work per rank, last over first"),
+        "q3": ("423687081bf0b29c94348f45", None, "section 4: Ulysses gives each rank whole heads, K/V heads included"),
+    },
 }
 
 
