@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from course_lib import dist as cdist
 from course_lib.collective_counter import CollectiveCounter
 from course_lib.config import ModelConfig
-from course_lib.grading.check import check_close, check_equal
 from course_lib.lessons.errors import relative_error
 from course_lib.lessons.l04_tensor_parallel.experiments import tp_group
+from course_lib.lessons.rank_records import RankRecords, replay_records
 from course_lib.model import MLP
 from course_lib.reference import reference_for
 
@@ -39,16 +39,6 @@ B, T, IN, OUT, V = 2, 4, 12, 16, 32     # in != out, so a shard along the wrong 
 
 def _calls(counter: CollectiveCounter, phase: str) -> dict:
     return {op: row["calls"] for (p, op), row in sorted(counter.table().items()) if p == phase}
-
-
-class _Records:
-    def __init__(self, exercise: str, tp: int, variant: str = ""):
-        self.exercise, self.tp, self.rank, self.items, self.variant = exercise, tp, dist.get_rank(), [], variant
-
-    def add(self, kind: str, what: str, actual, expected, hint: str = "", tol: float = 1e-5):
-        name = f"{self.exercise}, tp={self.tp}, rank {self.rank}: {what}"
-        self.items.append(dict(exercise=self.exercise, variant=self.variant, tp=self.tp, kind=kind, name=name, actual=actual,
-                               expected=expected, hint=hint, tol=tol))
 
 
 def _inputs(shape, seed, dev):
@@ -196,34 +186,20 @@ def rank_try_all(impls: dict, tps=(2, 4)) -> list[dict]:
         group = tp_group(tp)
         for key, impl in impls.items():
             kind, _, variant = key.partition("/")           # "column" or "column/a label" (tests of wrong answers)
-            rec = _Records(EXERCISES[kind], tp, variant)
+            rec = RankRecords(EXERCISES[kind], where=f"tp={tp}, ", tp=tp, variant=variant)
             try:
                 _TRIALS[kind](impl, rec, group, dev)
             except Exception as exc:  # noqa: BLE001 - a learner's error becomes a failed check, not a crash
-                msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-                rec.add("equal", f"runs without error ({msg})", False, True,
-                        "the message above says where; NotImplementedError means the exercise is still a stub")
+                rec.error(exc)
             records += rec.items
     return records
 
 
 def check_records(returns: list, exercise: str, tps=None) -> int:
-    """Turn the records of every rank for `exercise` into check_* calls (the first failure raises
-    `CheckFailed` with a one-line message). Returns the number of checks that passed."""
-    n = 0
-    for records in returns:
-        for rec in records:
-            if rec["exercise"] != exercise or (tps is not None and rec["tp"] not in tps):
-                continue
-            if rec["kind"] == "close":
-                check_close(rec["name"], rec["actual"], rec["expected"], rtol=rec["tol"], atol=rec["tol"],
-                            hint=rec["hint"])
-            else:
-                check_equal(rec["name"], rec["actual"], rec["expected"], hint=rec["hint"])
-            n += 1
-    if n == 0:
-        raise AssertionError(f"no results for {exercise}: did the launch run?")
-    return n
+    """Every rank's records of `exercise` (only those of the tp values in `tps`, when given) as check_* calls
+    (`rank_records.replay_records`: the first failure raises `CheckFailed` with a one-line message). Returns the
+    number of checks that passed."""
+    return replay_records(returns, exercise, keep=None if tps is None else (lambda rec: rec["tp"] in tps))
 
 
 # ------------------------------------------------------------------ reference and wrong answers (tests)

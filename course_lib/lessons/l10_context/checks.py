@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from course_lib import dist as cdist
 from course_lib.collective_counter import CollectiveCounter
 from course_lib.grading.check import check_close, check_equal, check_true
+from course_lib.lessons.rank_records import RankRecords, replay_records
 from course_lib.parallel.block_attention import attend_block
 from course_lib.reference import reference_for
 
@@ -114,20 +115,6 @@ def check_balanced_split(balanced_chunks, step_masks, cps=(1, 2, 3, 4)) -> dict:
 
 # ------------------------------------------------------------------------------ ranks
 
-class _Records:
-    def __init__(self, exercise: str):
-        self.exercise, self.rank, self.items = exercise, dist.get_rank(), []
-
-    def add(self, kind: str, what: str, actual, expected, hint: str = "", tol: float = ATOL):
-        self.items.append(dict(exercise=self.exercise, kind=kind, name=f"{self.exercise}, rank {self.rank}: {what}",
-                               actual=actual, expected=expected, hint=hint, tol=tol))
-
-    def error(self, exc: BaseException):
-        msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-        self.add("equal", f"runs without error ({msg})", False, True,
-                 "the message above says where; NotImplementedError means the exercise is still a stub")
-
-
 def _ops(counter: CollectiveCounter) -> dict:
     return {op: row["calls"] for (_, op), row in counter.table().items()}
 
@@ -135,7 +122,7 @@ def _ops(counter: CollectiveCounter) -> dict:
 def rank_try_ring_step(ring_step, B: int = 2, H: int = 3, seq_len: int = 16, D: int = 8) -> list[dict]:
     """Run `ring_step` cp times on every rank (contiguous split, causal; cp = the world size): the K/V each step
     passes on, and the final output and lse vs SDPA and logsumexp of the whole sequence. Returns records."""
-    rec = _Records("10-ring-step")
+    rec = RankRecords("10-ring-step", rtol=0)
     dev = cdist.device()
     cp, r = dist.get_world_size(), dist.get_rank()
     n = seq_len // cp
@@ -171,7 +158,7 @@ def rank_try_ring_step(ring_step, B: int = 2, H: int = 3, seq_len: int = 16, D: 
 def rank_try_ulysses(seq_to_heads, heads_to_seq, B: int = 2, seq_len: int = 8, H: int = 4, D: int = 3) -> list[dict]:
     """(B, s/cp, H, D) -> (B, s, H/cp, D) and back on every rank (contiguous split): each result vs slicing the full
     tensor, one all_to_all_single per call and no other collective. Returns records."""
-    rec = _Records("10-ulysses-reshape")
+    rec = RankRecords("10-ulysses-reshape", rtol=0)
     dev = cdist.device()
     cp, r = dist.get_world_size(), dist.get_rank()
     n, h = seq_len // cp, H // cp
@@ -199,17 +186,6 @@ def rank_try_ulysses(seq_to_heads, heads_to_seq, B: int = 2, seq_len: int = 8, H
 
 
 def check_records(returns: list, exercise: str) -> int:
-    """Every rank's records of `exercise` as check_* calls (the first failure raises `CheckFailed`); the count."""
-    n = 0
-    for records in returns:
-        for rec in records:
-            if rec["exercise"] != exercise:
-                continue
-            if rec["kind"] == "close":
-                check_close(rec["name"], rec["actual"], rec["expected"], rtol=0, atol=rec["tol"], hint=rec["hint"])
-            else:
-                check_equal(rec["name"], rec["actual"], rec["expected"], hint=rec["hint"])
-            n += 1
-    if n == 0:
-        raise AssertionError(f"no results for {exercise}: did the launch run?")
-    return n
+    """Every rank's records of `exercise` as check_* calls (`rank_records.replay_records`: the first failure raises
+    `CheckFailed`); the number of checks that passed."""
+    return replay_records(returns, exercise)
