@@ -7,6 +7,7 @@ wrappers over `torch.distributed`. Outside a distributed run they answer as a si
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -86,51 +87,67 @@ def barrier() -> None:
 
 # ------------------------------------------------------------------------------------- the process grid
 
-GRID_ORDER = ("pp", "dp", "tp")  # outermost to innermost, as torchtitan's mesh ["pp", "dp", ..., "tp"]
+GRID_ORDER = ("pp", "dp", "cp", "tp")  # outermost to innermost, as torchtitan's mesh ["pp", "dp", "cp", "tp"]
 
 
 @reference_for("08-grid")
 class GridLayout:
-    """Where each rank sits in a dp x pp x tp grid, and which ranks each dimension groups (no process groups: any
-    process can ask, e.g. to draw a grid of 1,024 ranks). `ProcessGrid` adds the groups.
+    """Where each rank sits in a dp x cp x pp x tp grid, and which ranks each dimension groups (no process groups:
+    any process can ask, e.g. to draw a grid of 1,024 ranks). `ProcessGrid` adds the groups.
 
-    Rank r sits at ``(pp, dp, tp)`` with ``r = (pp * dp_size + dp) * tp_size + tp``: TP innermost, so that its
-    ranks are consecutive and stay inside a node (torchrun numbers a node's ranks consecutively; TP's all-reduces
-    on every layer need the fastest links), PP outermost (its point-to-point messages are the smallest, so its
-    stages may sit on different nodes), DP between. The same order as torchtitan's DeviceMesh and Megatron-LM's
-    default; picotron puts DP outermost.
+    Rank r sits at ``(pp, dp, cp, tp)`` with ``r = ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp``: the
+    dimension that talks most often sits innermost, on the fastest links (torchrun numbers a node's ranks
+    consecutively). TP innermost: two all-reduces of activations in every layer, forward and backward, on the
+    critical path. CP next (lesson 10): every layer's attention exchanges K/V chunks (ring, all-gather) or
+    activations (Ulysses), once per layer, partly hidden behind attention. DP next: one gradient all-reduce per
+    step, overlapped with the backward pass, so it may cross nodes. PP outermost: its point-to-point messages are
+    the smallest, so its stages may sit on different nodes. Megatron-LM's default order is "tp-cp-ep-dp-pp"
+    (innermost first) and torchtitan's mesh is ``["pp", "dp_replicate", "dp_shard", "cp", "tp"]`` (outermost
+    first): the same order; picotron puts DP outermost.
+
+    cp defaults to 1, and a grid with cp = 1 has no cp dimension (``coords_of`` gives pp, dp, tp; ``lines("cp")``
+    refuses): the grids of lessons 08-09 are unchanged, ranks, groups and the order their groups are created in.
     """
 
-    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1):
-        sizes = {"dp": dp, "pp": pp, "tp": tp}
+    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1):
+        sizes = {"dp": dp, "pp": pp, "tp": tp, "cp": cp}
         for name, n in sizes.items():
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"{type(self).__name__}: {name}={n!r} must be a positive integer")
-        self.sizes = sizes
-        self.world_size = dp * pp * tp
+        if cp == 1:
+            del sizes["cp"]
+        self.sizes = sizes                                           # the grid's dimensions: cp only when cp > 1
+        self.dims = tuple(d for d in GRID_ORDER if d in sizes)       # outermost to innermost
+        self.world_size = dp * pp * tp * cp
+
+    def _size(self, name: str) -> int:
+        return self.sizes.get(name, 1)
 
     def coords_of(self, r: int) -> dict[str, int]:
-        """Grid coordinates of global rank ``r``: ``{"pp": ..., "dp": ..., "tp": ...}``."""
+        """Grid coordinates of global rank ``r``: ``{"pp": ..., "dp": ..., "tp": ...}`` (and ``"cp"`` if cp > 1)."""
         if not 0 <= r < self.world_size:
             raise ValueError(f"rank {r} is not in a grid of {self.world_size} ranks")
-        tp, rest = r % self.sizes["tp"], r // self.sizes["tp"]
-        return {"pp": rest // self.sizes["dp"], "dp": rest % self.sizes["dp"], "tp": tp}
+        coords = {}
+        for name in reversed(self.dims):                             # peel the innermost dimension off first
+            r, coords[name] = divmod(r, self.sizes[name])
+        return {name: coords[name] for name in self.dims}
 
-    def rank_at(self, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+    def rank_at(self, pp: int = 0, dp: int = 0, tp: int = 0, cp: int = 0) -> int:
         """The global rank at these coordinates."""
-        return (pp * self.sizes["dp"] + dp) * self.sizes["tp"] + tp
+        coords = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        r = 0
+        for name in GRID_ORDER:
+            r = r * self._size(name) + coords[name]
+        return r
 
     def lines(self, name: str) -> list[list[int]]:
         """Every group of dimension ``name``: the ranks that differ only in that coordinate, ordered by it."""
         if name not in self.sizes:
-            raise ValueError(f"{type(self).__name__}: no dimension {name!r} (there are {', '.join(GRID_ORDER)})")
-        others = [d for d in GRID_ORDER if d != name]
-        out = []
-        for a in range(self.sizes[others[0]]):
-            for b in range(self.sizes[others[1]]):
-                fixed = {others[0]: a, others[1]: b}
-                out.append([self.rank_at(**fixed, **{name: i}) for i in range(self.sizes[name])])
-        return out
+            fix = ": build the grid with cp=2 or more" if name == "cp" else ""
+            raise ValueError(f"{type(self).__name__}: no dimension {name!r} (there are {', '.join(self.dims)}){fix}")
+        others = [d for d in self.dims if d != name]
+        return [[self.rank_at(**dict(zip(others, fixed)), **{name: i}) for i in range(self.sizes[name])]
+                for fixed in itertools.product(*(range(self.sizes[d]) for d in others))]
 
     def members(self, r: int, name: str) -> list[int]:
         """The ranks of ``r``'s group along ``name``."""
@@ -138,7 +155,8 @@ class GridLayout:
 
 
 class ProcessGrid(GridLayout):
-    """A `GridLayout` of this job's ranks, with one process group per line of each dimension (lesson 08).
+    """A `GridLayout` of this job's ranks, with one process group per line of each dimension (lesson 08; cp:
+    lesson 10).
 
     Every rank must build the grid (``dist.new_group`` is collective: every rank creates every group, in the same
     order). ``grid.group("tp")`` is this rank's TP group, ``grid.ranks("tp")`` its members (global ranks),
@@ -146,17 +164,19 @@ class ProcessGrid(GridLayout):
     module-level groups.
     """
 
-    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, backend: str | None = None):
-        super().__init__(dp, pp, tp)
+    def __init__(self, dp: int = 1, pp: int = 1, tp: int = 1, backend: str | None = None, cp: int = 1):
+        super().__init__(dp, pp, tp, cp)
         world = world_size()
         if self.world_size != world:
-            raise ValueError(f"ProcessGrid: dp x pp x tp = {dp} x {pp} x {tp} = {self.world_size}, but the world "
-                             f"has {world} ranks: choose sizes whose product is {world}")
+            names = ["dp", "cp", "pp", "tp"] if cp > 1 else ["dp", "pp", "tp"]
+            raise ValueError(f"ProcessGrid: {' x '.join(names)} = {' x '.join(str(self._size(n)) for n in names)} = "
+                             f"{self.world_size}, but the world has {world} ranks: choose sizes whose product is "
+                             f"{world}")
         self.rank = rank()
         self._coords = self.coords_of(self.rank)
         self._groups: dict[str, object] = {}
         self._ranks: dict[str, list[int]] = {}
-        for name in GRID_ORDER:
+        for name in self.dims:
             for members in self.lines(name):  # every rank creates every group, in the same order
                 group = dist.new_group(members, backend=backend) if is_initialized() and world > 1 else None
                 if self.rank in members:
@@ -178,9 +198,9 @@ class ProcessGrid(GridLayout):
         return self._coords[name]
 
     def __repr__(self) -> str:
-        c = self._coords
-        return (f"ProcessGrid(pp={self.sizes['pp']}, dp={self.sizes['dp']}, tp={self.sizes['tp']}; rank {self.rank} "
-                f"at pp={c['pp']}, dp={c['dp']}, tp={c['tp']})")
+        sizes = ", ".join(f"{d}={self.sizes[d]}" for d in self.dims)
+        at = ", ".join(f"{d}={self._coords[d]}" for d in self.dims)
+        return f"ProcessGrid({sizes}; rank {self.rank} at {at})"
 
 
 def global_mean(value: torch.Tensor, group=None) -> float:
