@@ -177,19 +177,19 @@ def comm_figure(rows: list[dict], hardware: str, cps=(2, 4, 8, 16, 32)):
 def which_wins_table(d_model: int, n_head: int, n_kv_head: int, seq_lens=(32768, 131072), cps=(2, 4, 8, 16),
                      dtype_bytes: int = 2) -> str:
     """Forward bytes on the wire per rank per layer, B = 1, from `theory.context.layer_comm` with grouped-query
-    attention folded in: K and V have n_kv_head heads, so the ring's and all-gather's payloads (K/V only) scale by
-    g = n_kv_head / n_head, and Ulysses' four all-to-alls (q, k, v, output) by (2 + 2g) / 4. Ulysses needs cp | H
-    (and cp | n_kv_head, else K/V heads are replicated); all-gather also keeps the whole sequence's K/V."""
-    g = n_kv_head / n_head
-    scale = dict(ring=g, all_gather=g, ulysses=(2 + 2 * g) / 4)
+    attention: K and V are n_kv_head heads wide (kv_dim = d_model n_kv_head / n_head), which shrinks the ring's and
+    all-gather's payloads (K/V only) and two of Ulysses' four all-to-alls (q and the output keep d_model). Ulysses
+    needs cp | H (and cp | n_kv_head, else K/V heads are replicated); all-gather also keeps the whole sequence's K/V."""
+    kv_dim = d_model * n_kv_head // n_head
     head = (f"{'s':>7s} {'cp':>3s} {'ring':>10s} {'all-gather':>10s} {'Ulysses':>10s}  {'gathered K/V':>12s}  Ulysses possible")
     lines = [f"bf16, d_model {d_model}, {n_head} query heads, {n_kv_head} K/V heads (formula)", head, "-" * len(head)]
     for s in seq_lens:
         for cp in cps:
-            wire = {v: theory.context.bytes_sent_per_rank(theory.context.layer_comm(v, 1, s, d_model, cp, dtype_bytes),
-                                                         cp, "forward") * scale[v] for v in scale}
+            wire = {v: theory.context.bytes_sent_per_rank(
+                theory.context.layer_comm(v, 1, s, d_model, cp, dtype_bytes, kv_dim=kv_dim), cp, "forward")
+                for v in theory.context.VARIANTS}
             ok = "yes" if n_head % cp == 0 and n_kv_head % cp == 0 else (
                 "K/V heads replicated" if n_head % cp == 0 else "no (cp > heads)")
             lines.append(f"{s:7d} {cp:3d} {fmt_bytes(wire['ring']):>10s} {fmt_bytes(wire['all_gather']):>10s} "
-                         f"{fmt_bytes(wire['ulysses']):>10s}  {fmt_bytes(2 * s * d_model * dtype_bytes * g):>12s}  {ok}")
+                         f"{fmt_bytes(wire['ulysses']):>10s}  {fmt_bytes(2 * s * kv_dim * dtype_bytes):>12s}  {ok}")
     return "\n".join(lines)
