@@ -111,6 +111,11 @@ def test_workers(extra: list[str]) -> list[str]:
     return ["-n", str(n), "--dist", "loadscope", "--no-loadscope-reorder"] if n > 1 else []
 
 
+def names_a_test(arg: str) -> bool:
+    """Whether a pytest argument names tests to run (a file, a folder or a node id such as tests/x.py::test_y)."""
+    return not arg.startswith("-") and (ROOT / arg.split("::")[0]).exists()
+
+
 def run_tests(extra: list[str], browser: str, fast: bool = False) -> int:
     """Run the tests; ``browser`` is "only" (just the browser test), "lessons" (it runs too) or "" (it skips);
     ``fast``: only tests/, without the tests marked slow (pyproject.toml's ``markers``)."""
@@ -128,6 +133,8 @@ def run_tests(extra: list[str], browser: str, fast: bool = False) -> int:
         paths = [p for p in TEST_PATHS if (ROOT / p).exists()]
     if fast:
         paths, extra = ["tests"], ["-m", "not slow", *extra]
+    if any(names_a_test(a) for a in extra):     # `course.py test tests/test_launch.py`: that file, not everything
+        paths = []
     cmd = [str(BIN / "python"), "-m", "pytest", *NBVAL_ARGS, *test_workers(extra), *paths, *extra]
     print("running:", " ".join(cmd), flush=True)
     return subprocess.call(cmd, cwd=ROOT, env=env)
