@@ -1,6 +1,7 @@
-"""Counting the collectives a rank calls, with their payload bytes, per phase (lessons 02, 04, 08).
+"""Counting the collectives a rank calls, with their payload bytes, per phase (lessons 02, 04, 08, 10, 11).
 
 :class:`CollectiveCounter` patches ``torch.distributed``'s collectives for the length of a ``with`` block;
+:class:`LayerCounter` is told by a layer what it sent (lessons 10 and 11: the ring's sends, EP's all-to-alls);
 :data:`COUNTED_COLLECTIVES` names those it counts, :data:`COLLECTIVE_NAMES` one name per algorithm. The formulas the
 counts are checked against live in `course_lib.theory.comm`.
 """
@@ -36,6 +37,42 @@ def _nbytes(x) -> int:
     if isinstance(x, (list, tuple)):
         return sum(_nbytes(t) for t in x)
     return tensor_bytes(x)
+
+
+def tabulate(records) -> dict:
+    """{(phase, op): {"calls": n, "bytes": b}} of records that start (phase, op, payload bytes, ...) (plain types:
+    a table travels back from ranks)."""
+    out = collections.defaultdict(lambda: {"calls": 0, "bytes": 0})
+    for phase, op, nbytes, *_ in records:
+        out[(phase, op)]["calls"] += 1
+        out[(phase, op)]["bytes"] += nbytes
+    return {k: dict(v) for k, v in out.items()}
+
+
+class LayerCounter:
+    """What one rank's layer sent, recorded by the layer itself at each call (lessons 10 and 11: a ring's sends, an
+    all-gather, the all-to-alls of expert parallelism): ``records`` of (phase, op, payload bytes) and ``work``, a count
+    of the layer's own choosing (the attention score elements computed, in lesson 10). The payload follows
+    `CollectiveCounter`'s convention: a send counts the tensor sent, an all-gather its output, a reduce-scatter its
+    input, an all-to-all its input."""
+
+    def __init__(self):
+        self.records: list[tuple[str, str, int]] = []
+        self.work = 0
+
+    def record(self, phase: str, op: str, t: torch.Tensor) -> None:
+        self.records.append((phase, op, t.numel() * t.element_size()))
+
+    def add_work(self, n: int) -> None:
+        self.work += n
+
+    def table(self) -> dict:
+        """{(phase, op): {"calls": n, "bytes": b}}."""
+        return tabulate(self.records)
+
+    def reset(self) -> None:
+        self.records.clear()
+        self.work = 0
 
 
 class CollectiveCounter:
@@ -108,11 +145,7 @@ class CollectiveCounter:
 
     def table(self) -> dict:
         """{(phase, op): {"calls": n, "bytes": payload bytes}} (plain types: it travels back from ranks)."""
-        out = collections.defaultdict(lambda: {"calls": 0, "bytes": 0})
-        for phase, op, nbytes, _ in self.records:
-            out[(phase, op)]["calls"] += 1
-            out[(phase, op)]["bytes"] += nbytes
-        return {k: dict(v) for k, v in out.items()}
+        return tabulate(self.records)
 
     def calls(self, phase: str | None = None, op: str | None = None) -> int:
         return sum(1 for p, o, _, _ in self.records if phase in (None, p) and op in (None, o))

@@ -24,11 +24,10 @@ Shorthand: B batch, H heads, D head_dim, s sequence, n = s/cp rows per rank, r t
 
 from __future__ import annotations
 
-import collections
-
 import torch
 import torch.distributed as dist
 
+from course_lib.collective_counter import LayerCounter
 from course_lib.parallel import block_attention
 from course_lib.parallel.block_attention import Chunks, attend_block, block_grads, block_pairs, blocks_of
 from course_lib.reference import reference_for
@@ -38,34 +37,7 @@ __all__ = ["VARIANTS", "ContextCounter", "cp_rank", "ring_attention", "all_gathe
 VARIANTS = ("ring", "all_gather", "ulysses")
 
 
-class ContextCounter:
-    """What one rank's attention layer sent and computed (lesson 10): ``records`` of (phase, op, bytes) and
-    ``work``, the score elements computed forward (fully masked blocks skipped).
-
-    Bytes follow `course_lib.collective_counter.CollectiveCounter`'s convention: a send counts the tensor sent; an all-gather
-    its output, a reduce-scatter its input (the whole tensor); an all-to-all its input."""
-
-    def __init__(self):
-        self.records: list[tuple[str, str, int]] = []
-        self.work = 0
-
-    def record(self, phase: str, op: str, t: torch.Tensor) -> None:
-        self.records.append((phase, op, t.numel() * t.element_size()))
-
-    def add_work(self, n: int) -> None:
-        self.work += n
-
-    def table(self) -> dict:
-        """{(phase, op): {"calls": n, "bytes": b}} (plain types: it travels back from ranks)."""
-        out = collections.defaultdict(lambda: {"calls": 0, "bytes": 0})
-        for phase, op, nbytes in self.records:
-            out[(phase, op)]["calls"] += 1
-            out[(phase, op)]["bytes"] += nbytes
-        return {k: dict(v) for k, v in out.items()}
-
-    def reset(self) -> None:
-        self.records.clear()
-        self.work = 0
+ContextCounter = LayerCounter   # what one rank's attention layer sent and computed (work: score elements, forward)
 
 
 def cp_rank(group=None) -> tuple[int, int]:
