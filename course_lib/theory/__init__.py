@@ -10,6 +10,8 @@
   parallelism (lesson 04).
 - :mod:`course_lib.theory.context`: communication, causal work and activations per rank under context
   parallelism (lesson 10).
+- :mod:`course_lib.theory.experts`: parameters, FLOPs, balancing loss and all-to-all bytes of mixtures of experts
+  (lesson 11).
 - :mod:`course_lib.theory.savers`: activation checkpointing, accumulation and attention memory (lesson 07).
 - :mod:`course_lib.theory.practice`: GPU-hours and money of a run, the optimum checkpoint interval (lesson 09).
 
@@ -17,6 +19,6 @@ Every formula is checked against a measurement in the tests. ``from course_lib i
 ``theory.memory.zero_model_state_bytes(...)``.
 """
 
-from course_lib.theory import comm, context, flops, memory, pipeline, practice, savers, tensor
+from course_lib.theory import comm, context, experts, flops, memory, pipeline, practice, savers, tensor
 
-__all__ = ["comm", "context", "flops", "memory", "pipeline", "practice", "savers", "tensor"]
+__all__ = ["comm", "context", "experts", "flops", "memory", "pipeline", "practice", "savers", "tensor"]

@@ -1,0 +1,374 @@
+"""Tests of lesson 11's mixture of experts (course_lib/parallel/{moe,experts}.py, course_lib/theory/experts.py).
+
+One process: our MoE layer = transformers' MixtralSparseMoeBlock and Qwen2MoeSparseMoeBlock with the same weights
+(outputs, router logits, fp32, atol 1e-6), our Switch loss x k = transformers' load_balancing_loss_func; three wrong
+variants fail (softmax after top-k without renormalisation, f_i from probabilities, the inverse permutation applied
+twice); capacity drops counted exactly; the DeepSeek-V3 bias picks but never weighs; formulas.
+One launch per world size (2 and 4 gloo ranks): a GPT with a MoE layer in every block under expert parallelism, top-1
+and top-2, with and without capacity, = one process on the global batch (losses, first gradients, parameters after 3
+SGD steps; rtol 1e-5, atol 1e-6); on 4 ranks also ep 2 x expert-dp 2 borrowing dp 4; bytes per layer counted ==
+formula for the routing that happened, and == the uniform formula on a constructed uniform routing; DeepSpeed's MoE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import cloudpickle
+import pytest
+import torch
+
+from course_lib import theory
+from course_lib.config import get_preset
+from course_lib.data import random_batches
+from course_lib.launch import run
+from course_lib.model import build_model
+from course_lib.one_process import grads_of, params_of
+from course_lib.parallel import moe
+from course_lib.parallel.experts import validate_expert_parallel
+from course_lib.parallel.moe import (MoELayer, apply_moe, dispatch_permutation, from_hf_mixtral, from_hf_qwen2_moe,
+                                     moe_loss, switch_loss, update_expert_bias)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the rank functions below travel by value
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CFG = dataclasses.replace(get_preset("tiny"), seq_len=16)     # 2 layers, d_model 64
+BATCH, STEPS, LR, E, F_EXPERT, ALPHA = 4, 3, 0.3, 4, 32, 0.1
+CASES = [(1, None), (2, None), (1, 1.0), (2, 1.25)]            # (top_k, capacity_factor)
+ATOL_HF = 1e-6
+
+
+def _mixtral(top_k=2, seed=0):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    torch.manual_seed(seed)
+    block = MixtralSparseMoeBlock(MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=E,
+                                                num_experts_per_tok=top_k, hidden_act="silu"))
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return block, torch.randn(2, 8, 32)
+
+
+# ------------------------------------------------------------------------------ one process
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_equals_mixtral(top_k):
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    block, x = _mixtral(top_k)
+    ours = from_hf_mixtral(block, alpha=1.0)
+    torch.testing.assert_close(ours(x), block(x), rtol=0, atol=ATOL_HF)
+    torch.testing.assert_close(ours.router_logits, block.gate(x)[0], rtol=0, atol=ATOL_HF)
+    hf_loss = load_balancing_loss_func((ours.router_logits,), E, top_k)   # counts / T, not T k: k times ours
+    assert (top_k * ours.aux_loss).item() == pytest.approx(hf_loss.item(), rel=1e-6)
+
+
+def test_equals_qwen2_moe_with_shared_expert():
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    torch.manual_seed(0)
+    block = Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(hidden_size=32, moe_intermediate_size=48, num_experts=E,
+                                                  shared_expert_intermediate_size=40, num_experts_per_tok=2,
+                                                  norm_topk_prob=False))
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(2, 8, 32)
+    torch.testing.assert_close(from_hf_qwen2_moe(block)(x), block(x), rtol=0, atol=ATOL_HF)
+
+
+def _softmax_after_topk(self, x):
+    logits = torch.nn.functional.linear(x, self.weight)
+    top, indices = torch.topk(logits, self.top_k, -1)
+    weights = top.softmax(-1)                                   # wrong: a softmax over the k chosen logits only
+    if self.normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return logits, logits.softmax(-1), weights, indices
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_softmax_after_topk_fails_without_renormalisation(monkeypatch, top_k):
+    block, x = _mixtral(top_k)
+    ours = from_hf_mixtral(block)
+    ours.router.normalize = False                               # Switch: the weights are the probabilities
+    right = ours(x)
+    monkeypatch.setattr(moe.TopKRouter, "forward", _softmax_after_topk)
+    assert (ours(x) - right).abs().max() > 1e-2
+    ours.router.normalize = True                                # Mixtral: renormalised, the two orders coincide
+    torch.testing.assert_close(ours(x), block(x), rtol=0, atol=ATOL_HF)
+
+
+def test_f_from_probabilities_fails():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    block, x = _mixtral(2)
+    logits = block.gate(x)[0]
+    probs = logits.softmax(-1)
+    wrong = E * (probs.mean(0) * probs.mean(0)).sum()           # f_i = P_i: smooth, but not what the loss asks
+    right = switch_loss(probs, probs.topk(2, -1).indices, E)
+    hf = load_balancing_loss_func((logits,), E, 2) / 2
+    assert right.item() == pytest.approx(hf.item(), rel=1e-6)
+    assert abs(wrong.item() - hf.item()) > 1e-3
+
+
+def test_inverse_applied_twice_fails(monkeypatch):
+    block, x = _mixtral(2)
+    ours = from_hf_mixtral(block)
+    real = moe.dispatch_permutation
+
+    def twice(indices, n_experts, capacity=None):
+        d = real(indices, n_experts, capacity)
+        d.inverse = d.inverse[d.inverse]                        # y[inverse][inverse]
+        return d
+
+    monkeypatch.setattr(moe, "dispatch_permutation", twice)
+    assert (ours(x) - block(x)).abs().max() > 1e-2
+
+
+def test_dispatch_permutation_and_capacity():
+    idx = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])       # (T=4, k=2)
+    d = dispatch_permutation(idx, 4)
+    flat = idx.t().reshape(-1)
+    assert flat[d.order].tolist() == sorted(flat.tolist()) and d.counts.tolist() == [4, 2, 1, 1]
+    assert torch.equal(d.order[d.inverse], torch.arange(8))
+    cap = moe.capacity_of(1.0, 4, 2, 4)                         # ceil(1.0 * 4 * 2 / 4) = 2
+    d = dispatch_permutation(idx, 4, cap)
+    assert cap == 2 and d.counts.tolist() == [2, 2, 1, 1] and d.dropped == 2
+    kept_tokens = d.tokens[d.keep][:2].tolist()                 # expert 0 keeps first choices of tokens 0, 1
+    assert kept_tokens == [0, 1]
+    layer = MoELayer(8, 4, 2, 16, capacity_factor=0.5)
+    layer(torch.randn(1, 16, 8))
+    assert layer.dropped == int((layer.counts - 4).clamp(min=0).sum())   # capacity ceil(0.5*16*2/4) = 4
+
+
+def test_expert_bias_picks_but_never_weighs():
+    torch.manual_seed(0)
+    layer = MoELayer(8, 4, 1, 16, normalize=False)
+    x = torch.randn(32, 8)
+    _, probs, _, _ = layer.router(x)
+    layer.router.expert_bias[3] = 10.0                          # every token now picks expert 3 ...
+    _, _, weights, indices = layer.router(x)
+    assert (indices == 3).all()
+    torch.testing.assert_close(weights[:, 0], probs[:, 3])      # ... weighted by its probability, not the bias
+    layer.router.expert_bias.zero_()
+    layer(x.view(1, 32, 8))
+    load = layer.counts.float()
+    update_expert_bias(layer, gamma=0.5)
+    assert torch.equal(layer.router.expert_bias, 0.5 * torch.sign(load.mean() - load))
+
+
+def test_validation_names_field_and_fix():
+    validate_expert_parallel(8, 2, 4)
+    with pytest.raises(ValueError, match=r"n_experts=6 is not divisible by ep=4 .* pick ep in \{1, 2, 3, 6\}"):
+        validate_expert_parallel(6, 4, 4)
+    with pytest.raises(ValueError, match=r"ep=4 does not divide dp x cp = 2 x 1 = 2: .* does not multiply"):
+        validate_expert_parallel(8, 4, 2)
+
+
+def test_theory_params_flops_loss():
+    model = apply_moe(build_model(CFG, 0), E, 2, F_EXPERT, shared_d_ff=16)
+    counted = theory.experts.moe_params(CFG, E, 2, F_EXPERT, shared_d_ff=16)
+    assert counted["total"] == model.num_params()
+    per_expert = 3 * CFG.d_model * F_EXPERT * CFG.n_layer
+    assert counted["total"] - counted["active"] == (E - 2) * per_expert
+    swiglu = dataclasses.replace(CFG, mlp="swiglu", d_ff=F_EXPERT)        # one expert, top-1 = a SwiGLU MLP + router
+    assert theory.experts.moe_flops_per_token(CFG, 1, 1, F_EXPERT) == \
+        theory.flops.flops_per_token(swiglu) + 6 * CFG.n_layer * CFG.d_model
+    assert theory.experts.switch_loss([0.25] * 4, [0.25] * 4, 0.01) == pytest.approx(0.01)
+
+
+# ------------------------------------------------------------------------------ ranks
+
+MOE = dict(n_experts=E, d_ff=F_EXPERT, alpha=ALPHA)
+
+
+def _moe_model(cfg, top_k, cf, groups, dev):
+    return apply_moe(build_model(cfg, 0), MOE["n_experts"], top_k, MOE["d_ff"], alpha=MOE["alpha"],
+                     capacity_factor=cf, groups=groups).to(dev)
+
+
+def _run_ep(cfg, batches, top_k, cf, ep, lr):
+    import torch.distributed as dist
+
+    from course_lib import dist as cdist
+    from course_lib.collective_counter import CollectiveCounter
+    from course_lib.data import shard_batch
+    from course_lib.parallel.experts import ExpertGroups, apply_expert_parallel, sync_expert_parallel_grads
+
+    dev, r, world = cdist.device(), dist.get_rank(), dist.get_world_size()
+    groups = ExpertGroups(ep, n_experts=MOE["n_experts"])
+    model = apply_expert_parallel(_moe_model(cfg, top_k, cf, 1, dev), groups)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    out = dict(losses=[], ep_rank=groups.ep_rank, ep_ranks=groups.ep_ranks)
+    for step, (x, y) in enumerate(batches):
+        x, y = (shard_batch(t, r, world).to(dev) for t in (x, y))
+        coll = CollectiveCounter()
+        with coll:
+            with coll.phase("forward"):
+                loss = moe_loss(model, x, y)
+            with coll.phase("backward"):
+                loss.backward()
+        if step == 0:
+            out["comm"] = [b.mlp.counter.table() for b in model.blocks]
+            out["sent"] = [b.mlp.sent for b in model.blocks]
+            out["collectives"] = coll.table()
+            out["dropped"] = sum(b.mlp.dropped for b in model.blocks)
+        sync_expert_parallel_grads(model, groups)
+        if step == 0:
+            out["first_grads"] = grads_of(model)
+        out["losses"].append(cdist.global_mean(loss))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["params"] = params_of(model)
+    return out
+
+
+def _uniform_layer(ep):
+    """One layer, a constructed uniform routing (token t, choice j -> expert (t + j) mod E): bytes vs formula."""
+    import torch.distributed as dist
+
+    from course_lib import dist as cdist
+    from course_lib.parallel.experts import ExpertGroups, ExpertParallelMoE
+
+    dev = cdist.device()
+    torch.manual_seed(0)
+    layer = MoELayer(16, 4, 2, 8).to(dev)
+
+    def uniform(self, x):
+        logits = torch.nn.functional.linear(x, self.weight)
+        t = torch.arange(x.shape[0], device=x.device)
+        indices = torch.stack([(t + j) % self.n_experts for j in range(self.top_k)], 1)   # (T, k)
+        return logits, logits.softmax(-1), torch.full(indices.shape, 0.5, device=x.device), indices
+
+    layer.router.forward = uniform.__get__(layer.router)
+    ep_layer = ExpertParallelMoE(layer, ExpertGroups(ep, n_experts=4))
+    x = torch.randn(1, 8, 16, device=dev, requires_grad=True)
+    ep_layer(x).sum().backward()
+    return dict(comm=ep_layer.counter.table(), sent=ep_layer.sent, rank=dist.get_rank())
+
+
+def _deepspeed_moe(top_k=1):
+    """DeepSpeed's MoE layer (its own gate) on ep = world ranks: {'l_aux', 'ours', 'shape'} or {'error'}."""
+    import torch.distributed as dist
+
+    from course_lib import dist as cdist
+
+    dev = cdist.device()
+    try:
+        import deepspeed
+        from deepspeed.moe.layer import MoE
+
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        torch.manual_seed(0)
+        expert = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+        layer = MoE(16, expert, num_experts=4, ep_size=dist.get_world_size(), k=top_k, capacity_factor=1.0,
+                    min_capacity=0, use_rts=False).to(dev)
+        x = torch.randn(2, 8, 16, device=dev, requires_grad=True)
+        y, l_aux, _ = layer(x)
+        (y.sum() + l_aux).backward()
+        logits = torch.nn.functional.linear(x.detach().reshape(-1, 16).float(), layer.deepspeed_moe.gate.wg.weight)
+        probs = logits.softmax(-1)
+        ours = top_k * switch_loss(probs, probs.topk(top_k, -1).indices, 4)   # DeepSpeed's f_i: counts / T
+    except Exception as exc:   # noqa: BLE001 - the outcome is the record
+        return dict(error=f"{type(exc).__name__}: {exc}")
+    return dict(l_aux=l_aux.item(), ours=ours.item(), shape=tuple(y.shape), grad=x.grad is not None)
+
+
+def _all_checks(cfg, batches, lr, world):
+    out = {f"k{k}/cf{cf}/ep{world}": _run_ep(cfg, batches, k, cf, world, lr) for k, cf in CASES}
+    if world == 4:
+        out["k2/cf1.25/ep2"] = _run_ep(cfg, batches, 2, 1.25, 2, lr)
+        out["k1/cfNone/ep2"] = _run_ep(cfg, batches, 1, None, 2, lr)
+    out["uniform"] = _uniform_layer(world)
+    if world == 2:
+        out["deepspeed"] = _deepspeed_moe()
+    return out
+
+
+BATCHES = random_batches(CFG, BATCH, STEPS, seed=0)
+
+
+def _reference(top_k, cf, groups):
+    model = _moe_model(CFG, top_k, cf, groups, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out = dict(losses=[])
+    for step, (x, y) in enumerate(BATCHES):
+        loss = moe_loss(model, x, y)
+        loss.backward()
+        if step == 0:
+            out["first_grads"] = grads_of(model)
+        out["losses"].append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["params"] = params_of(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """{world size: every rank's results}: one launch per world size."""
+    return {n: run(_all_checks, nprocs=n, args=(CFG, BATCHES, LR, n), timeout_s=300, stream=False,
+                   backend="gloo").returns for n in (2, 4)}
+
+
+KEYS = [(n, f"k{k}/cf{cf}/ep{n}") for n in (2, 4) for k, cf in CASES] + [(4, "k2/cf1.25/ep2"), (4, "k1/cfNone/ep2")]
+
+
+def _shard(name, full, ep_rank, ep):
+    if ".experts." in name:                                     # (E, ...) -> this rank's (E/ep, ...)
+        n = full.shape[0] // ep
+        return full[ep_rank * n:(ep_rank + 1) * n]
+    return full
+
+
+@pytest.mark.parametrize("world,key", KEYS)
+def test_expert_parallel_equals_one_process(ranks, world, key):
+    k, cf, ep = key.split("/")
+    ref = _reference(int(k[1:]), None if cf == "cfNone" else float(cf[2:]), groups=world)
+    ep = int(ep[2:])
+    for r, res in enumerate(ranks[world]):
+        row, what = res[key], f"{key} rank {r}/{world}"
+        assert row["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6), what
+        assert (row["dropped"] > 0) == (cf != "cfNone"), f"{what}: {row['dropped']} tokens dropped"
+        for part in ("first_grads", "params"):
+            assert row[part].keys() == ref[part].keys(), what
+            for name, full in ref[part].items():
+                torch.testing.assert_close(row[part][name], _shard(name, full, row["ep_rank"], ep), rtol=1e-5,
+                                           atol=1e-6, msg=lambda m: f"{what}: {part} {name}: {m}")
+
+
+@pytest.mark.parametrize("world,key", KEYS)
+def test_bytes_equal_formula_for_the_routing(ranks, world, key):
+    for res in ranks[world]:
+        row = res[key]
+        members = [ranks[world][g][key] for g in row["ep_ranks"]]
+        for layer, table in enumerate(row["comm"]):
+            M = [m["sent"][layer] for m in members]                # (ep, E) rows each ep rank sent per expert
+            assert table == theory.experts.layer_comm(M, row["ep_rank"], CFG.d_model), f"{key} layer {layer}"
+        a2a = {ph: v["bytes"] for (ph, op), v in row["collectives"].items() if op == "all_to_all_single"}
+        for phase in ("forward", "backward"):                    # CollectiveCounter counts outputs: the same totals
+            assert a2a[phase] == sum(v["bytes"] for t in row["comm"] for (ph, _), v in t.items() if ph == phase)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_uniform_routing_formula(ranks, world):
+    rows = [ranks[world][r]["uniform"] for r in range(world)]
+    M = [row["sent"] for row in rows]
+    uniform = theory.experts.uniform_layer_comm(8, 2, 16, world)
+    for r, row in enumerate(rows):
+        assert row["comm"] == theory.experts.layer_comm(M, r, 16)
+        assert row["comm"][("forward", "dispatch")]["bytes"] == uniform["payload"]
+        assert row["comm"][("forward", "combine")]["bytes"] == uniform["payload"]
+        assert theory.experts.bytes_leaving(M, r, 16) == uniform["leaving"]
+
+
+def test_deepspeed_moe(ranks):
+    """DeepSpeed's MoE layer (deepspeed.moe.layer.MoE, its own TopKGate) on 2 gloo ranks, ep 2, top-1: it runs
+    forward and backward, and its l_aux is the Switch loss on its own gate's counts (f_i = counts / T)."""
+    for res in ranks[2]:
+        row = res["deepspeed"]
+        assert "error" not in row, row.get("error")
+        assert row["shape"] == (2, 8, 16) and row["grad"]
+        assert row["l_aux"] == pytest.approx(row["ours"], rel=1e-5)
