@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/bench_planner.py --no-rank    # without the search over layouts (seconds)
 
 What is compared: for each published run (Narayanan et al. 2021's table 1 weak-scaling rows and table 2's GPT-3
-175B, BLOOM-176B, Llama 3 405B at 8K and, with context parallelism 16, at 128K tokens: issue 31, not scored), the
+175B, BLOOM-176B, Llama 3 405B at 8K and, with context parallelism 16, at 128K tokens: issue 31, not scored;
+DeepSeek-V3 with expert parallelism 64, its TFLOP/s derived from tokens and GPU hours: issue 32, not scored), the
 planner prices exactly the published layout (dp x tp x pp (x cp), ZeRO, full recomputation, micro-batch, pipeline
 schedule with its v, the software's overlap) and turns its step time into
 TFLOP/s per GPU with the source's own FLOP count (Megatron-LM's 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), which counts
@@ -32,8 +33,9 @@ def main() -> None:
     t0 = time.perf_counter()
     print(f"runs on: {hardware_label('gloo')} (formulas only; GPUs by datasheet: "
           + ", ".join(f"{k} {GPU_SPECS[k].bf16_tflops:g} TFLOP/s bf16, {GPU_SPECS[k].mem_bw_gbs:g} GB/s HBM"
-                      for k in ("A100", "H100")) + ")")
-    eff, rows = published.throughput_table(published.THROUGHPUT_RUNS + published.LONG_CONTEXT, rank=not args.no_rank)
+                      for k in ("A100", "H100", "H800")) + ")")
+    eff, rows = published.throughput_table(published.THROUGHPUT_RUNS + published.LONG_CONTEXT + published.MOE_RUNS,
+                                           rank=not args.no_rank)
     gain = published.interleaving_gain(eff)
     tt = published.TORCHTITAN_405B
     print(f"interleaving gain, {tt['source']}: planner {gain['predicted']:+.1%} "
@@ -51,6 +53,9 @@ def main() -> None:
     print("context parallelism (issue 31), at the calibrated efficiency:")
     for run in published.LONG_CONTEXT:
         print(published.long_context_text(published.long_context(run, eff)))
+    print("expert parallelism (issue 32), at the calibrated efficiency:")
+    for run in published.MOE_RUNS:
+        print(published.moe_run_text(published.moe_run(run, eff)))
     print(f"({time.perf_counter() - t0:.1f} s)")
     print(published.throughput_text(eff, rows))
 

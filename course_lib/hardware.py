@@ -61,6 +61,13 @@ GPU_SPECS: dict[str, GPUSpec] = {
                               "NVIDIA A100 datasheet (2021): BF16 tensor core 312 TFLOPS; 40GB PCIe 1,555 GB/s"),
     "H100": GPUSpec("H100 SXM5 80GB", 989.4, 80, 3350, 450, _NVLINK4,
                     "NVIDIA H100 datasheet (2023): BF16 tensor core 1,979 TFLOPS with sparsity = 989 dense"),
+    # H800: the H100 SXM made for export to China (2023), same compute and HBM3, NVLink cut to 400 GB/s
+    # bidirectional (8 links instead of 18); DeepSeek-V3's report (arXiv 2412.19437, section 3.2.2) measures 160 GB/s
+    # on NVLink and 50 GB/s on IB per GPU.
+    "H800": GPUSpec("H800 SXM5 80GB", 989.4, 80, 3350, 200, "NVLink 4 (400 GB/s bidirectional)",
+                    "no NVIDIA datasheet read here: the H100 SXM5 row's compute and HBM3 (the same GH100 die), "
+                    "NVLink cut to 400 GB/s bidirectional, as secondary sources (H800 vs H100 comparisons, 2023-26) "
+                    "and DeepSeek-V3's report describe it"),
     "H100 PCIe": GPUSpec("H100 PCIe 80GB", 756.0, 80, 2000, 64, _PCIE5,
                          "NVIDIA H100 datasheet (2023): PCIe BF16 tensor core 1,513 TFLOPS with sparsity = 756 dense"),
     "H100 NVL": GPUSpec("H100 NVL 94GB", 835.5, 94, 3900, 300, "NVLink bridge (600 GB/s bidirectional)",
@@ -98,7 +105,7 @@ _GPU_NAMES = [(re.compile(p, re.I), key) for p, key in (
     (r"\bA100\b(?=.*\bPCIE\b)(?=.*\b40GB\b)", "A100 PCIe 40GB"), (r"\bA100\b.*\bPCIE\b", "A100 PCIe"),
     (r"\bA100\b.*\b40GB\b", "A100 40GB"), (r"\bA100\b", "A100"),
     (r"\bGH200\b", "GH200"), (r"\bH100\b.*\bPCIE\b", "H100 PCIe"), (r"\bH100\b.*\bNVL\b", "H100 NVL"),
-    (r"\bH100\b", "H100"), (r"\bH200\b.*\bNVL\b", "H200 NVL"), (r"\bH200\b", "H200"),
+    (r"\bH100\b", "H100"), (r"\bH800\b", "H800"), (r"\bH200\b.*\bNVL\b", "H200 NVL"), (r"\bH200\b", "H200"),
     (r"\bL40S\b", "L40S"), (r"\bL40\b", "L40"), (r"\bL4\b", "L4"),
     (r"\bRTX 3090\b", "RTX 3090"), (r"\bRTX 4090\b", "RTX 4090"), (r"\bRTX 5090\b", "RTX 5090"))]
 

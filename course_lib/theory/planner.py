@@ -84,6 +84,31 @@ exposed (Megatron-LM's CP pipelines them so); all-gather (``"all_gather"``, Llam
 TP group), Ulysses where tp x cp does not divide n_head and n_kv_head (each rank attends with n_head / (tp cp) heads
 of the whole sequence). `plan` adds cp only when asked (``cps=``); left out: the attention work imbalance of a
 contiguous split (the balanced split is assumed), CP with the 2021 block.
+
+**Expert parallelism** (``layout.ep``, default 1: every number above unchanged; lesson 11, `theory.experts`; issue
+32). The model is a mixture of experts when ``estimate(..., moe=MoESpec(...))`` says so (`ModelConfig` describes
+only dense blocks; ``cfg.d_ff`` is then the MLP of the first dense blocks). EP does not multiply the world size: it
+borrows ranks of dp x cp. Refused with the field and the fix (`ep_refusals`): ep > 1 without ``moe``, n_experts not
+divisible by ep, ep not dividing dp x cp. Memory: the dense parameters (attention, norms, router, shared experts,
+embeddings) as before, ZeRO over dp x cp; the routed experts of the stage's MoE blocks (3 C F E each, split over
+tp as Megatron-LM's expert tensor parallelism = tp does) / ep, ZeRO over the expert-data-parallel ranks dp x cp / ep
+(`moe_stage_params`). Activations: a MoE block keeps what a SwiGLU MLP of hidden size k F + F_s keeps
+(`MoESpec.active_d_ff`), plus the dispatched rows and the experts' outputs before the weighted sum, ``2 x 2 k s b
+h / t`` (`moe_extra_layer_bytes`). Time: FLOPs of the active parameters (`MoESpec.flops_per_token`: 6 N_active +
+attention), so MFU counts active FLOPs; per MoE block and micro-batch 2 all-to-alls forward (dispatch, combine) and 2
+backward (4 forward with full recomputation), each of `experts.uniform_layer_comm`'s payload T k C x 2 bytes (bf16,
+T = b s / (cp tp) tokens of the rank, uniform routing, no drops), (ep-1)/ep of it leaving the rank, on the
+alpha-beta model (`comm.collective_time("all_to_all")`), all exposed (``time["ep"]`` = ``exposed["ep"]``:
+DeepSeek-V3's DualPipe hides them behind another micro-batch's compute; the planner does not). The experts'
+gradients are reduced (ZeRO-0: all-reduced; ZeRO-1/2: reduce-scattered, parameters all-gathered; ZeRO-3 per
+micro-batch) over dp x cp / ep ranks, beside the dense ones over dp x cp. Where the ep group lies (the rule):
+inside the data-parallel line (stride tp), ep groups are blocks of ep consecutive ranks (Megatron-LM's expert grid
+"tp-ep-dp-pp" folds cp into ep x edp; `parallel.experts.ExpertGroups` builds blocks of consecutive dp ranks), so an
+ep group spans tp x ep ranks and stays inside a node when tp x ep divides the GPUs per node (`link(stride=tp,
+size=ep)`); the expert-dp group is ep x tp apart. Left out: load imbalance and dropped tokens (uniform routing),
+the router's auxiliary losses, the all-to-all's two hops (NVLink then IB, DeepSeek-V3's node-limited routing),
+MLA, FP8, and the first dense blocks' own MLP width in the activation count (DeepSeek-V3: 18,432 = 8 x 2,048 +
+2,048, equal).
 """
 
 from __future__ import annotations
@@ -95,12 +120,15 @@ from course_lib.config import ModelConfig
 from course_lib.reference import reference_for
 from course_lib.theory import comm, flops, pipeline
 from course_lib.theory import context as cp_theory
+from course_lib.theory import experts as moe_theory
+from course_lib.theory.experts import MoESpec
 
 __all__ = ["Cluster", "Layout", "Estimate", "estimate", "plan", "link", "layer_params", "position_params",
            "stage_params", "model_state_bytes", "layer_activation_bytes", "korthikanti_layer_bytes",
            "activation_bytes_per_gpu", "CKPT", "GiB", "NOT_MODELLED", "SCHEDULES", "OVERLAPS", "ELEMENTWISE",
            "DDP_BUCKET_BYTES", "TRAFFIC_PASSES", "elementwise_bytes", "gemm_intensity", "CP_VARIANTS", "cp_refusals",
-           "cp_layer_time"]
+           "cp_layer_time", "MoESpec", "ep_refusals", "moe_stage_params", "moe_extra_layer_bytes", "ep_layer_time",
+           "step_flops"]
 
 CKPT = ("none", "selective", "full")
 GiB = 2 ** 30           # GPU memory: an "80 GB" A100 holds 80 GiB (nvidia-smi: 81,920 MiB), not 80 x 10^9 bytes
@@ -144,11 +172,13 @@ class Layout:
     overlap: str = "none"               # "none", "dp" (DP/ZeRO buckets), "dp+tp" (also TP: --tp-comm-overlap)
     cp: int = 1                         # context-parallel ranks: each holds s/cp tokens of every sequence
     cp_variant: str = "ring"            # "ring", "all_gather" (Llama 3) or "ulysses" (`CP_VARIANTS`)
+    ep: int = 1                         # expert-parallel ranks, borrowed from dp x cp (a MoE model only)
 
     def label(self) -> str:
         """``dp16 tp8 pp12 zero0 ckpt=full mb1``, then the schedule and overlap where they are not the defaults;
-        ``cp16`` (and the variant unless ring) after pp where cp > 1."""
+        ``cp16`` (and the variant unless ring) after pp where cp > 1; ``ep64`` after them where ep > 1."""
         cp = f" cp{self.cp}" + (f" {self.cp_variant}" if self.cp_variant != "ring" else "") if self.cp > 1 else ""
+        cp += f" ep{self.ep}" if self.ep > 1 else ""
         out = f"dp{self.dp} tp{self.tp} pp{self.pp}{cp} zero{self.zero} ckpt={self.ckpt} mb{self.micro_batch}"
         if self.schedule != "1f1b":
             out += f" {self.schedule}" + (f" v{self.v}" if self.schedule == "interleaved" else "")
@@ -169,7 +199,7 @@ class Estimate:
     hfu: float = 0.0                   # executed FLOPs (recomputation included) / (GPUs x peak x step time)
     memory_stage: str = "first"        # the stage whose memory is reported: "first", "last" or "only" (pp = 1)
     not_modelled: str = ""             # a layout the planner has no schedule for (pipeline with ZeRO-2/3)
-    exposed: dict = dataclasses.field(default_factory=dict)   # tp, pp, dp, cp: seconds left after overlap
+    exposed: dict = dataclasses.field(default_factory=dict)   # tp, pp, dp, cp (ep): seconds left after overlap
     in_flight: float = 1.0             # micro-batches (of a whole stage) the first stage holds at its peak
     p2p_messages: int = 0              # point-to-point messages per micro-batch on the busiest rank
     p2p_bytes: float = 0.0             # bytes a rank sends to its pipeline neighbours per step
@@ -178,7 +208,8 @@ class Estimate:
     def no_overlap_s(self) -> float:
         """The step time if no communication hid behind compute: the upper bound beside ``time["total"]``."""
         t = self.time
-        return t["total"] - sum(self.exposed.values()) + t["tp"] + t["pp"] + t["dp"] + t.get("cp", 0.0)
+        return (t["total"] - sum(self.exposed.values()) + t["tp"] + t["pp"] + t["dp"] + t.get("cp", 0.0)
+                + t.get("ep", 0.0))
 
     @property
     def feasible(self) -> bool:
@@ -304,7 +335,7 @@ def korthikanti_layer_bytes(cfg: ModelConfig, tp: int, seq_len: int | None = Non
 
 
 def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_len: int | None = None,
-                             stage: str = "first", block: str = "today") -> int:
+                             stage: str = "first", block: str = "today", moe: MoESpec | None = None) -> int:
     """Activations of a pipeline stage, bytes per GPU: the first (``stage="first"``, it holds the most
     micro-batches) or the last (``"last"``, one micro-batch in flight).
 
@@ -323,13 +354,19 @@ def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_l
 
     With context parallelism (``layout.cp > 1``) every count is of the rank's s/cp tokens, and a layer also keeps
     what its variant keeps beyond them (`cp_extra_layer_bytes`; the ring nothing).
+
+    With ``moe`` every layer is counted as a MoE block: a SwiGLU MLP of hidden size k F + F_s
+    (`MoESpec.active_d_ff`) plus `moe_extra_layer_bytes`.
     """
     s = cfg.seq_len if seq_len is None else seq_len
+    if moe is not None:
+        cfg = cfg.replace(d_ff=moe.active_d_ff)
     b, h, t = layout.micro_batch, cfg.d_model, layout.tp
     layers = math.ceil(cfg.n_layer / layout.pp)
     full_s, s = s, s // layout.cp                                       # the rank's s/cp tokens
     parts = layer_activation_bytes(cfg, t, s, b)
-    full_layer = sum(parts.values()) + cp_extra_layer_bytes(cfg, layout, full_s)
+    full_layer = (sum(parts.values()) + cp_extra_layer_bytes(cfg, layout, full_s)
+                  + moe_extra_layer_bytes(cfg, moe, t, s, b))
     if block == "2021":
         full_layer = korthikanti_layer_bytes(cfg, t, s, b, sequence_parallel=False)
         kept = {"none": full_layer, "full": 2 * s * b * h,
@@ -422,6 +459,65 @@ def cp_layer_time(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, seq_l
                 backward_exposed=min(bwd, bwd_exposed))
 
 
+def ep_refusals(layout: Layout, moe: MoESpec | None) -> list[str]:
+    """Why ep cannot shard this model's experts over this layout's ranks (empty if it can; nothing at ep = 1): each
+    reason names the field and the fix (`parallel.experts.validate_expert_parallel` for one group)."""
+    ep, dp_cp = layout.ep, layout.dp * layout.cp
+    if ep == 1:
+        return []
+    if moe is None:
+        return [f"ep={ep} needs a mixture-of-experts model: pass moe=MoESpec(n_experts, top_k, expert_d_ff) or use "
+                f"ep=1"]
+    why = []
+    if moe.n_experts % ep:
+        ok = ", ".join(str(d) for d in range(1, moe.n_experts + 1) if moe.n_experts % d == 0 and dp_cp % d == 0)
+        why.append(f"n_experts={moe.n_experts} is not divisible by ep={ep} (each ep rank holds n_experts/ep "
+                   f"experts): pick ep in {{{ok}}}")
+    if dp_cp % ep:
+        why.append(f"ep={ep} does not divide dp x cp = {layout.dp} x {layout.cp} = {dp_cp}: expert parallelism "
+                   f"borrows data-parallel ranks and does not multiply the world size; pick ep dividing {dp_cp}")
+    return why
+
+
+def moe_stage_params(cfg: ModelConfig, moe: MoESpec | None, tp: int, pp: int, stage: str = "first") -> dict:
+    """{"dense", "experts"}: parameters on one GPU of a pipeline stage before ep and ZeRO. ``dense``: `stage_params`
+    with each MoE block's MLP replaced by its router and shared experts; ``experts``: the routed experts of the
+    stage's MoE blocks, 3 C F E each, / tp. The first stage holds blocks 0 .. ceil(L/pp) - 1 (the first dense blocks
+    among them), the last the last ceil(L/pp). Without ``moe``: (`stage_params`, 0)."""
+    dense = stage_params(cfg, tp, pp, stage)
+    if moe is None:
+        return dict(dense=dense, experts=0)
+    per = math.ceil(cfg.n_layer / pp)
+    n = moe.moe_layers(cfg, 0 if stage == "first" else cfg.n_layer - per, per)
+    return dict(dense=dense + n * moe.dense_delta(cfg) // tp, experts=n * moe.expert_params(cfg) // tp)
+
+
+def moe_extra_layer_bytes(cfg: ModelConfig, moe: MoESpec | None, tp: int, seq_len: int, micro_batch: int = 1) -> int:
+    """Bytes a MoE block keeps beyond a SwiGLU MLP of hidden size k F + F_s: the k dispatched copies of each token's
+    row (the experts' input) and the experts' outputs before the weighted sum, bf16, ``2 x 2 k s b h / t``."""
+    return 0 if moe is None else 2 * 2 * moe.top_k * seq_len * micro_batch * cfg.d_model // tp
+
+
+def ep_layer_time(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, moe: MoESpec | None, seq_len: int) -> float:
+    """Seconds of one of a MoE block's all-to-alls per micro-batch on one GPU (dispatch or combine; 4 per block
+    and micro-batch in a training step): payload T k C x 2 bytes (`experts.uniform_layer_comm`, bf16), T = b s /
+    (cp tp) tokens of the rank; ``comm.collective_time("all_to_all")`` moves (ep-1)/ep of it on `link` (stride tp,
+    size ep). 0 at ep = 1 (the experts are local)."""
+    if moe is None or layout.ep == 1:
+        return 0.0
+    tokens = layout.micro_batch * seq_len // (layout.cp * layout.tp)
+    payload = moe_theory.uniform_layer_comm(tokens, moe.top_k, cfg.d_model, layout.ep, 2)["payload"]
+    alpha, bw = link(cluster, gpu, layout.tp, layout.ep)
+    return comm.collective_time("all_to_all", payload, layout.ep, alpha, bw)
+
+
+def step_flops(cfg: ModelConfig, global_batch: int, seq_len: int, moe: MoESpec | None = None) -> float:
+    """Model FLOPs of a step: `flops.step_flops`, or with ``moe`` 6 N_active + attention per token."""
+    if moe is None:
+        return flops.step_flops(cfg, global_batch, seq_len)
+    return moe.flops_per_token(cfg, seq_len) * global_batch * seq_len
+
+
 def stage_in_flight(layout: Layout, accum: int, stage: str = "first") -> float:
     """Micro-batches (of a whole stage's layers) that a stage holds at its peak under the layout's schedule:
     `pipeline.peak_microbatches_in_flight` for the first rank (``stage="first"``) or the last: 1F1B and ZB-H1
@@ -483,7 +579,8 @@ def link(cluster: Cluster, gpu, stride: int, size: int) -> tuple[float, float]:
 @reference_for("08-stage-memory", "08-step-time")
 def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_batch: int,
              seq_len: int | None = None, kernel_efficiency: float = 0.4, reserve_gib: float = 2.0,
-             grad_bytes: int = 4, elementwise: str = "none", bucket_bytes: float = DDP_BUCKET_BYTES) -> Estimate:
+             grad_bytes: int = 4, elementwise: str = "none", bucket_bytes: float = DDP_BUCKET_BYTES,
+             moe: MoESpec | None = None) -> Estimate:
     """Memory per GPU and step time of one layout (see the module docstring). ``gpu``: a `hardware.GPUSpec` (its
     ``mem_gb`` read as GiB); ``kernel_efficiency``: the assumed fraction of peak at which the GPUs execute their
     matmul FLOPs (recomputation included: a hardware FLOPs utilisation); ``grad_bytes``: 4 (fp32 gradients, the
@@ -491,9 +588,10 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     or "unfused": add the memory-bound kernels' time at the GPU's HBM bandwidth (`elementwise_bytes`) and the
     optimizer step's (it reads and writes each model-state byte once); "unfused" is Megatron-LM's 2021 block, whose
     activations are then counted without sequence parallelism (`activation_bytes_per_gpu`, ``block="2021"``);
-    ``bucket_bytes``: the gradient bucket that cannot hide when ``layout.overlap`` overlaps DP."""
+    ``bucket_bytes``: the gradient bucket that cannot hide when ``layout.overlap`` overlaps DP; ``moe``: the
+    model's mixture of experts (`MoESpec`; None: dense), which ``layout.ep`` shards (the module docstring)."""
     s = cfg.seq_len if seq_len is None else seq_len
-    dp, tp, pp, b, cp = layout.dp, layout.tp, layout.pp, layout.micro_batch, layout.cp
+    dp, tp, pp, b, cp, ep = layout.dp, layout.tp, layout.pp, layout.micro_batch, layout.cp, layout.ep
     why, not_modelled = [], ""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp={cp!r} must be a positive int (the number of context-parallel ranks; 1: none)")
@@ -504,7 +602,10 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     elif cp > 1 and dp * tp * pp * cp != cluster.n_gpus:
         why.append(f"dp x tp x pp x cp = {dp * tp * pp * cp}, not the cluster's {cluster.n_gpus} GPUs: pick dp = "
                    f"{cluster.n_gpus} / (tp x pp x cp)")
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep={ep!r} must be a positive int (the number of expert-parallel ranks; 1: none)")
     why += cp_refusals(cfg, layout, s)
+    why += ep_refusals(layout, moe)
     if cfg.n_head % tp or cfg.d_ff % tp:
         why.append(f"tp={tp} does not divide n_head={cfg.n_head} and d_ff={cfg.d_ff}")
     if pp > cfg.n_layer:
@@ -537,12 +638,21 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     # ZeRO-3 / FSDP gathers each layer's 16-bit parameters before using it, and prefetches the next: two layers
     # whole (of the TP shard) beside the shards, in forward and again in backward (the unsharded gradient of the
     # layer in backward, before its reduce-scatter, is left out)
-    gathered = 2 * 2 * layer_params(cfg) / tp if layout.zero == 3 else 0
+    # (a MoE block's dense part and its ep rank's experts)
+    block = layer_params(cfg) if moe is None else (
+        layer_params(cfg) + moe.dense_delta(cfg) + moe.expert_params(cfg) // ep)
+    gathered = 2 * 2 * block / tp if layout.zero == 3 else 0
+    edp = max(1, dp * cp // ep)                                         # expert-data-parallel ranks
+    split = {}
     stages = {}                                                         # each stage's memory; the largest counts
     for stage in (("only",) if pp == 1 else ("first", "last")):
         which = "last" if stage == "last" else "first"
-        states = model_state_bytes(stage_params(cfg, tp, pp, which), dp * cp, layout.zero, grad_bytes)["total"]
-        acts = activation_bytes_per_gpu(cfg, layout, accum, s, which, "2021" if elementwise == "unfused" else "today")
+        split[stage] = moe_stage_params(cfg, moe, tp, pp, which)
+        states = model_state_bytes(split[stage]["dense"], dp * cp, layout.zero, grad_bytes)["total"]
+        if split[stage]["experts"]:                                     # the ep rank's experts, ZeRO over edp
+            states += model_state_bytes(split[stage]["experts"] / ep, edp, layout.zero, grad_bytes)["total"]
+        acts = activation_bytes_per_gpu(cfg, layout, accum, s, which, "2021" if elementwise == "unfused" else "today",
+                                        moe)
         parts = dict(model_states=states, activations=acts, logits=0 if stage == "first" else logits,
                      zero3_buffers=gathered, reserve=reserve_gib * GiB)
         parts["total"] = sum(parts.values())
@@ -552,7 +662,7 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     if memory["total"] > gpu.mem_gb * GiB:
         why.append(f"needs {memory['total'] / GiB:.1f} GiB per GPU ({memory_stage} stage) > {gpu.mem_gb:g} GiB")
 
-    model_flops = flops.step_flops(cfg, global_batch, s)
+    model_flops = step_flops(cfg, global_batch, s, moe)
     attn = 4 * s * s * cfg.d_model                                      # attention core, forward, per sequence
     layer_fwd = 24 * s * cfg.d_model ** 2 + attn
     # executed / model FLOPs: full recomputation runs the forward twice, 2 + 2 + 4 = 8 FLOPs per parameter per
@@ -561,7 +671,8 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     compute = model_flops * recompute / (cluster.n_gpus * gpu.bf16_tflops * 1e12 * kernel_efficiency)
     layers = math.ceil(cfg.n_layer / pp)
     # memory-bound kernels: HBM bytes / bandwidth, per layer per micro-batch, for the stage's layers
-    memory_bound = layers * accum * elementwise_bytes(cfg, tp, n, b, layout.ckpt, elementwise) / (gpu.mem_bw_gbs * 1e9)
+    acfg = cfg if moe is None else cfg.replace(d_ff=moe.active_d_ff)   # a token's MLP width (MoE: k F + F_s)
+    memory_bound = layers * accum * elementwise_bytes(acfg, tp, n, b, layout.ckpt, elementwise) / (gpu.mem_bw_gbs * 1e9)
     # the optimizer step is memory-bound too: it reads and writes each model-state byte of the GPU once
     optimizer = 0.0 if elementwise == "none" else 2 * memory["model_states"] / (gpu.mem_bw_gbs * 1e9)
     work = compute + memory_bound                                       # one GPU's busy time per step
@@ -588,7 +699,7 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     pp_time = accum * p2p_messages * (alpha + act_msg / tp / bw)
     alpha, bw = link(cluster, gpu, tp, dp * cp)        # the ranks holding the same parameters: DP x CP
     dp_cp = dp * cp
-    P_gpu = stage_params(cfg, tp, pp)
+    P_gpu = split["only" if pp == 1 else "first"]["dense"]             # = stage_params(cfg, tp, pp) when dense
     grads, params16 = grad_bytes * P_gpu, 2 * P_gpu
     # the last bucket holds at least the token embedding's shard: its gradient is complete only when the backward
     # reaches the first layer (a tied head adds to it first), and a parameter larger than a bucket is its own bucket
@@ -619,6 +730,24 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
         dp_time = comm.collective_time("all_reduce", grads, dp_cp, alpha, bw)
         # DDP's buckets: all-reduced while the last micro-batch's backward runs, all but the last bucket
         dp_exposed = hidden(dp_time, bwd_mb, last_bucket / grads)
+    E_gpu = max(part["experts"] for part in split.values()) / ep        # the ep rank's experts (the fullest stage)
+    if E_gpu and edp > 1:                   # the experts' gradients over the expert-dp ranks, ep x tp apart
+        alpha_e, bw_e = link(cluster, gpu, tp * ep, edp)
+        eg, ep16 = grad_bytes * E_gpu, 2 * E_gpu
+        if layout.zero == 3:
+            ag = comm.collective_time("all_gather", ep16, edp, alpha_e, bw_e)
+            rs = comm.collective_time("reduce_scatter", eg, edp, alpha_e, bw_e)
+            e_time = accum * (2 * ag + rs)
+            e_exposed = accum * (hidden(ag, fwd_mb, 1 / layers) + hidden(ag + rs, bwd_mb, 1 / layers))
+        elif layout.zero in (1, 2):
+            rs = comm.collective_time("reduce_scatter", eg, edp, alpha_e, bw_e)
+            ag = comm.collective_time("all_gather", ep16, edp, alpha_e, bw_e)
+            e_time = rs + ag
+            e_exposed = hidden(rs, bwd_mb, bucket_bytes / eg) + hidden(ag, fwd_mb, bucket_bytes / eg)
+        else:
+            e_time = comm.collective_time("all_reduce", eg, edp, alpha_e, bw_e)
+            e_exposed = hidden(e_time, bwd_mb, bucket_bytes / eg)
+        dp_time, dp_exposed = dp_time + e_time, dp_exposed + e_exposed
     # TP: Megatron-Core --tp-comm-overlap / PyTorch async TP split each matmul into tp chunks and move one chunk while
     # the next multiplies: all hides behind the matmuls but one chunk in tp
     tp_exposed = max(tp_time - compute, tp_time / tp) if layout.overlap == "dp+tp" and tp > 1 else tp_time
@@ -630,6 +759,10 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     exposed = dict(tp=tp_exposed, pp=pp_time, dp=dp_exposed, cp=cp_exposed)   # p2p is never overlapped here
     time = dict(compute=compute, bubble=bubble, tp=tp_time, pp=pp_time, dp=dp_time, cp=cp_time,
                 memory_bound=memory_bound, optimizer=optimizer)
+    if moe is not None:                     # EP: 2 all-to-alls forward (again when recomputed), 2 backward, exposed
+        moe_blocks = max(moe.moe_layers(cfg, 0, layers), moe.moe_layers(cfg, cfg.n_layer - layers, layers))
+        a2a = 4 + (2 if layout.ckpt == "full" else 0)
+        time["ep"] = exposed["ep"] = moe_blocks * accum * a2a * ep_layer_time(cfg, gpu, cluster, layout, moe, s)
     time["total"] = compute + memory_bound + optimizer + bubble + sum(exposed.values())
     est = Estimate(layout, accum, memory, time, "; ".join(why), memory_stage=memory_stage, not_modelled=not_modelled,
                    exposed=exposed, in_flight=stage_in_flight(layout, accum, "first"), p2p_messages=p2p_messages,
@@ -648,7 +781,8 @@ def _divisors(n: int) -> list[int]:
 def plan(cfg: ModelConfig, gpu, cluster: Cluster, global_batch: int, seq_len: int | None = None,
          kernel_efficiency: float = 0.4, micro_batches=(1, 2, 4, 8), zeros=(0, 1, 2, 3), ckpts=CKPT,
          reserve_gib: float = 2.0, grad_bytes: int = 4, schedules=("1f1b",), vs=(2, 3, 4), overlaps=("none",),
-         elementwise: str = "none", cps=(1,), cp_variants=("ring",)) -> list[Estimate]:
+         elementwise: str = "none", cps=(1,), cp_variants=("ring",), eps=(1,),
+         moe: MoESpec | None = None) -> list[Estimate]:
     """Every layout (tp a divisor of a node's GPUs, pp any divisor of the rest, dp what remains; each ZeRO stage,
     recomputation, micro-batch, schedule and overlap asked for): feasible ones first by step time, then the
     infeasible ones with their reasons, then those not modelled (a pipeline with ZeRO-2/3). A tp that does not divide
@@ -661,7 +795,10 @@ def plan(cfg: ModelConfig, gpu, cluster: Cluster, global_batch: int, seq_len: in
 
     Context parallelism joins only when asked: each cp of ``cps`` (default 1, lesson 08's layouts) that divides the
     GPUs left by tp, with each variant of ``cp_variants`` (lesson 10; `estimate` refuses a cp the sequence or the
-    heads cannot take, and says why)."""
+    heads cannot take, and says why).
+
+    Expert parallelism likewise (``eps``, default 1; a MoE model, ``moe``): each ep of ``eps`` that divides dp x cp
+    and the experts (`ep_refusals`)."""
     n = cluster.n_gpus
     rows = []
     shapes = [(tp, cp, variant) for tp in [d for d in _divisors(min(cluster.gpus_per_node, n)) if n % d == 0]
@@ -677,8 +814,12 @@ def plan(cfg: ModelConfig, gpu, cluster: Cluster, global_batch: int, seq_len: in
                     for b in micro_batches:
                         for sch, v in kinds:
                             for ov in overlaps:
-                                layout = Layout(dp, tp, pp, zero, ckpt, b, sch, v, ov, cp, variant)
-                                rows.append(estimate(cfg, gpu, cluster, layout, global_batch, seq_len,
-                                                     kernel_efficiency, reserve_gib, grad_bytes, elementwise))
+                                for ep in eps:
+                                    layout = Layout(dp, tp, pp, zero, ckpt, b, sch, v, ov, cp, variant, ep)
+                                    if ep > 1 and ep_refusals(layout, moe):
+                                        continue
+                                    rows.append(estimate(cfg, gpu, cluster, layout, global_batch, seq_len,
+                                                         kernel_efficiency, reserve_gib, grad_bytes, elementwise,
+                                                         moe=moe))
     order = {"feasible": 0, "infeasible": 1, "not modelled": 2}
     return sorted(rows, key=lambda e: (order[e.status], e.time["total"], e.memory["total"]))

@@ -42,11 +42,11 @@ import time
 from course_lib.config import ModelConfig, get_preset
 from course_lib.hardware import GPU_SPECS
 from course_lib.theory import flops
-from course_lib.theory.planner import (CKPT, CP_VARIANTS, SCHEDULES, Cluster, Estimate, GiB, Layout, estimate,
-                                       korthikanti_layer_bytes, plan, stage_in_flight)
+from course_lib.theory.planner import (CKPT, CP_VARIANTS, SCHEDULES, Cluster, Estimate, GiB, Layout, MoESpec,
+                                       estimate, korthikanti_layer_bytes, plan, stage_in_flight, step_flops)
 
 __all__ = ["Source", "PublishedRun", "PUBLISHED", "WEAK_SCALING", "THROUGHPUT_RUNS", "CALIBRATION", "TORCHTITAN_405B",
-           "LONG_CONTEXT", "long_context", "long_context_text",
+           "LONG_CONTEXT", "long_context", "long_context_text", "DEEPSEEK_V3", "MOE_RUNS", "moe_run", "moe_run_text",
            "interleaving_gain", "layout_of", "source_flops", "predict", "predicted_tflops", "calibrate", "Throughput",
            "rank_among_layouts", "throughput_table", "throughput_summary", "throughput_text", "Check",
            "check_published", "check_all", "published_table",
@@ -110,6 +110,8 @@ class PublishedRun:
     model: ModelConfig | None = None    # the model when it is not a preset (Narayanan et al.'s table 1 shapes)
     cp: int = 1                         # context-parallel ranks (world = dp x tp x pp x cp)
     cp_variant: str = "ring"            # "ring", "all_gather" (Llama 3) or "ulysses" (`planner.CP_VARIANTS`)
+    moe: MoESpec | None = None          # the mixture of experts (None: dense)
+    ep: int = 1                         # expert-parallel ranks, borrowed from dp (x cp)
 
     @property
     def config(self) -> ModelConfig:
@@ -258,6 +260,55 @@ LLAMA3_128K = PublishedRun(
 LONG_CONTEXT: tuple[PublishedRun, ...] = (LLAMA3_128K,)
 
 
+# DeepSeek-V3 (issue 32): a mixture of experts with expert parallelism 64. Not in PUBLISHED nor THROUGHPUT_RUNS
+# (lesson 08's tables stay as they are); benchmarks/bench_planner.py adds it to its table and prints `moe_run_text`.
+DEEPSEEK = Source("DeepSeek-V3 Technical Report", "DeepSeek-AI", 2024, "2412.19437",
+                  "sections 3.1-3.3 (infrastructure, training framework, FP8), 4.2 (hyper-parameters), table 1 (cost)")
+# The model as the planner can price it: MLA replaced by multi-head attention of the same width (128 heads of 56),
+# bf16 (FP8 left out); 3 dense blocks of d_ff 18,432, then 58 blocks of 256 routed experts + 1 shared, top-8.
+DEEPSEEK_V3_MHA = ModelConfig(vocab_size=129280, seq_len=4096, n_layer=61, n_head=128, d_model=7168, d_ff=18432,
+                              bias=False, tie_embeddings=False, norm="rmsnorm", mlp="swiglu", pos="rope",
+                              name="deepseek-v3-as-mha")
+DEEPSEEK_V3_MOE = MoESpec(n_experts=256, top_k=8, expert_d_ff=2048, n_shared=1, first_dense_layers=3)
+# Throughput is not stated: it is derived from "180K H800 GPU hours" per trillion tokens (tokens per GPU-second) and
+# the planner's FLOPs per token of the model above (6 N_active + 12 L s d).
+DEEPSEEK_TOKENS_PER_GPU_S = 1e12 / (180e3 * 3600)                        # 1,543 tokens/s per H800
+_DSV3_TFLOPS = DEEPSEEK_TOKENS_PER_GPU_S * DEEPSEEK_V3_MOE.flops_per_token(DEEPSEEK_V3_MHA, 4096) / 1e12
+DEEPSEEK_V3 = PublishedRun(
+    "DeepSeek-V3 671B MoE", "deepseek-v3-as-mha", "H800", 256, 8, 50.0, "InfiniBand, 50 GB/s per GPU",
+    global_batch=15360, seq_len=4096, dp=128, tp=1, pp=16, zero=1, ckpt="full", micro_batch=None,
+    schedule="DualPipe", reported_tflops=_DSV3_TFLOPS, counts_recompute=False,
+    stated_mfu=_DSV3_TFLOPS / GPU_SPECS["H800"].bf16_tflops, grad_bytes=4, source=DEEPSEEK, pipeline="zb-h1",
+    overlap="dp", kernels="fused", flop_count="model", scored=False, model=DEEPSEEK_V3_MHA, moe=DEEPSEEK_V3_MOE,
+    ep=64,
+    note="DeepSeek-V3 technical report (DeepSeek-AI 2024, arXiv 2412.19437), as issue 32 transcribes it (the PDF "
+         "was not re-read here). Section 3.1: 2,048 NVIDIA H800 GPUs, 8 per node on NVLink/NVSwitch, InfiniBand "
+         "across nodes. Section 3.2: HAI-LLM, 16-way pipeline parallelism (PP, DualPipe), 64-way expert "
+         "parallelism (EP) spanning 8 nodes, ZeRO-1 data parallelism (DP); 'we do not use costly tensor "
+         "parallelism' (tp 1); section 3.2.2: NVLink 160 GB/s, IB 50 GB/s (inter_gbs_per_gpu 50); section 3.2.3: "
+         "recomputation of RMSNorm and MLA up-projections only. Section 4.2: 61 layers, hidden 7,168, 128 heads "
+         "(MLA), first 3 layers dense (FFN 18,432), then 1 shared + 256 routed experts of 2,048, 8 activated; 671B "
+         "total, 37B active; sequence 4,096; batch ramped up to 15,360 sequences (the planner prices 15,360). "
+         "Table 1 / section 1: 14.8T tokens, 2.788M H800 GPU hours (2.664M pre-training), 180K GPU hours per "
+         "trillion tokens. dp = 2,048 / 16 = 128, ep 64 borrowed from it (expert-dp 2). NOT re-checked / NOT "
+         "stated: the TFLOP/s and MFU are derived (1e12 tokens / (180K x 3,600 s) = 1,543 tokens/s per GPU times "
+         "the planner's 6 N_active + 12 L s d of the model it prices), not stated by the paper; the micro-batch "
+         "(1 stands in). Not modelled, so priced as the planner can and shown, not scored (as the Llama rows): MLA "
+         "(priced as multi-head attention of the same width, 128 heads of 56), FP8 matmuls (priced in bf16 at the "
+         "A100's calibrated matmul efficiency, against the H800's bf16 peak), DualPipe (ZB-H1 stands in; its "
+         "overlap of the all-to-alls with another micro-batch's compute is not priced), its recomputation "
+         "(full stands in), BF16 optimizer moments (12 bytes per parameter priced), the multi-token prediction "
+         "module, node-limited routing (at most 4 nodes per token) and the two-hop all-to-all.",
+    why_not="The published shape's best feasible row is {shape_best} ({shape_best_gib:.0f} GiB per GPU); without "
+            "recomputation it needs {none_gib:.0f} GiB > {capacity:g} GiB ({in_flight} micro-batches of {layers} "
+            "layers in flight on the first stage; DeepSeek recomputes only RMSNorm and the MLA up-projections, "
+            "which the planner cannot express), so its row recomputes ({recompute_share:.0%} of its step). The "
+            "all-to-alls of ep {ep} cross nodes (ep x tp = {ep_span} ranks > 8 per node) and are exposed: "
+            "{ep_share:.0%} of the step, where DualPipe hides them behind another micro-batch's compute. The "
+            "planner's best, {best} ({best_gib:.0f} GiB), runs {speedup:.2f}x faster: {best_why}.")
+MOE_RUNS: tuple[PublishedRun, ...] = (DEEPSEEK_V3,)
+
+
 NARAYANAN_T1 = Source(NARAYANAN.title, NARAYANAN.authors, 2021, "2104.04473",
                       "table 1 (weak scaling, 1.7B-1T); each row's micro-batch, schedule and DDP from the paper's "
                       "artifact, NVIDIA/Megatron-LM examples/sc21/run_table_1.sh")
@@ -357,7 +408,7 @@ def interleaving_gain(kernel_efficiency: float = 0.4) -> dict:
 def layout_of(run: PublishedRun) -> Layout:
     """The run's layout in the planner's terms (unstated ZeRO / recomputation / micro-batch: ZeRO-1, none, 1)."""
     return Layout(run.dp, run.tp, run.pp, 1 if run.zero is None else run.zero, run.ckpt or "none",
-                  run.micro_batch or 1, run.pipeline, run.v, run.overlap, run.cp, run.cp_variant)
+                  run.micro_batch or 1, run.pipeline, run.v, run.overlap, run.cp, run.cp_variant, run.ep)
 
 
 def _cps(run: PublishedRun) -> tuple:
@@ -372,13 +423,19 @@ def source_flops(run: PublishedRun) -> float:
     cfg = run.config
     if run.flop_count == "megatron":
         return flops.megatron_flops_per_token(cfg, run.seq_len, recompute=True) * run.global_batch * run.seq_len
-    return flops.step_flops(cfg, run.global_batch, run.seq_len)
+    return step_flops(cfg, run.global_batch, run.seq_len, run.moe)
+
+
+def _eps(run: PublishedRun) -> tuple:
+    """The ep degrees a run's ranking enumerates: 1 alone for a dense model; with experts, every power of two up to
+    the experts (`planner.plan` drops those dp x cp cannot take)."""
+    return (1,) if run.moe is None else tuple(2 ** k for k in range(int(math.log2(run.moe.n_experts)) + 1))
 
 
 def predict(run: PublishedRun, kernel_efficiency: float) -> Estimate:
     """The planner's estimate of exactly the published layout, schedule and overlap."""
     return estimate(run.config, GPU_SPECS[run.gpu], run.cluster, layout_of(run), run.global_batch, run.seq_len,
-                    kernel_efficiency, grad_bytes=run.grad_bytes, elementwise=run.kernels)
+                    kernel_efficiency, grad_bytes=run.grad_bytes, elementwise=run.kernels, moe=run.moe)
 
 
 def tflops_of(run: PublishedRun, est: Estimate) -> float:
@@ -440,7 +497,7 @@ def rank_among_layouts(run: PublishedRun, kernel_efficiency: float) -> tuple[int
                 ckpts=("none", "full") if old else CKPT, grad_bytes=run.grad_bytes,
                 schedules=("1f1b", "interleaved") if old else SCHEDULES, vs=sorted({2, 3, 4, mine.v} - {1}),
                 overlaps=(run.overlap,), elementwise=run.kernels, cps=_cps(run),
-                cp_variants=CP_VARIANTS if run.cp > 1 else ("ring",))
+                cp_variants=CP_VARIANTS if run.cp > 1 else ("ring",), eps=_eps(run), moe=run.moe)
     feasible = [r for r in rows if r.feasible]
     rank = next((i + 1 for i, r in enumerate(feasible) if r.layout == mine), None)
     if not feasible:
@@ -497,6 +554,63 @@ def long_context(run: PublishedRun = LLAMA3_128K, kernel_efficiency: float = 0.4
                 n_feasible=len(feasible), n_shapes=len(shapes), n_layouts=len(rows), best=best, none=none,
                 ring=ring, facts=facts, why=run.why_not.format(**facts), seconds=time.perf_counter() - t0,
                 predicted_tflops=tflops_of(run, row))
+
+
+def moe_run(run: PublishedRun = DEEPSEEK_V3, kernel_efficiency: float = 0.4) -> dict:
+    """A MoE run among the planner's layouts of its model, cluster, batch and sequence (every tp, pp, ep of `_eps`,
+    ZeRO 0-1, recomputation, micro-batch 1-4, 1F1B and ZB-H1; the run's overlap and kernels). The published shape
+    (dp, tp, pp, ep) at its best feasible row, its rank among all feasible rows and among shapes, the planner's
+    best, and ``why``: the run's ``why_not`` with these numbers filled in."""
+    cfg, gpu = run.config, GPU_SPECS[run.gpu]
+    t0 = time.perf_counter()
+    rows = plan(cfg, gpu, run.cluster, run.global_batch, run.seq_len, kernel_efficiency, micro_batches=(1, 2, 4),
+                zeros=(0, 1), schedules=("1f1b", "zb-h1"), grad_bytes=run.grad_bytes, overlaps=(run.overlap,),
+                elementwise=run.kernels, eps=_eps(run), moe=run.moe)
+    feasible = [r for r in rows if r.feasible]
+    shape = lambda lay: (lay.dp, lay.tp, lay.pp, lay.ep)
+    mine = (run.dp, run.tp, run.pp, run.ep)
+    row = next((r for r in feasible if shape(r.layout) == mine), None)
+    if row is None:
+        raise ValueError(f"{run.name}: no feasible layout of the published shape {mine}")
+    shapes = list(dict.fromkeys(shape(r.layout) for r in feasible))
+    best = feasible[0]
+    none = estimate(cfg, gpu, run.cluster, dataclasses.replace(row.layout, ckpt="none"), run.global_batch,
+                    run.seq_len, kernel_efficiency, grad_bytes=run.grad_bytes, elementwise=run.kernels, moe=run.moe)
+    tot = row.time["total"]
+    recompute = row.time["compute"] * (1 - row.mfu / row.hfu)
+    diffs = []
+    for name in ("tp", "pp", "ep"):
+        if getattr(best.layout, name) != getattr(row.layout, name):
+            diffs.append(f"{name} {getattr(best.layout, name)} instead of {getattr(row.layout, name)}")
+    diffs.append(f"all-to-all {best.exposed['ep'] / best.time['total']:.0%} of its step, bubble "
+                 f"{best.time['bubble'] / best.time['total']:.0%} (here {row.time['bubble'] / tot:.0%}), "
+                 f"recomputation {best.layout.ckpt}")
+    facts = dict(shape_best=row.layout.label(), shape_best_gib=row.memory["total"] / GiB,
+                 in_flight=stage_in_flight(row.layout, row.accum), layers=math.ceil(cfg.n_layer / run.pp),
+                 none_gib=none.memory["total"] / GiB, capacity=gpu.mem_gb, recompute_share=recompute / tot,
+                 ep=run.ep, ep_span=run.ep * run.tp, ep_share=row.exposed["ep"] / tot,
+                 best=best.layout.label(), best_gib=best.memory["total"] / GiB, speedup=tot / best.time["total"],
+                 best_why="; ".join(diffs))
+    return dict(run=run, row=row, rank=feasible.index(row) + 1, shape_rank=shapes.index(mine) + 1,
+                n_feasible=len(feasible), n_shapes=len(shapes), n_layouts=len(rows), best=best, none=none,
+                facts=facts, why=run.why_not.format(**facts), seconds=time.perf_counter() - t0,
+                predicted_tflops=tflops_of(run, row))
+
+
+def moe_run_text(out: dict) -> str:
+    """What `moe_run` found, in a few lines."""
+    r, row = out["run"], out["row"]
+    return "\n".join([
+        f"{r.name}: published dp {r.dp} x tp {r.tp} x pp {r.pp}, ep {r.ep} (borrowed from dp), batch "
+        f"{r.global_batch:,} x {r.seq_len:,} tokens on {r.cluster.n_gpus:,} {r.gpu}s; derived {r.reported_tflops:.0f}"
+        f" TFLOP/s per GPU ({r.stated_mfu:.0%} MFU of the bf16 peak, from tokens and GPU hours, not stated)",
+        f"  feasible as {row.layout.label()}: {row.memory['total'] / GiB:.1f} GiB per GPU, step {row.time['total']:.1f}"
+        f" s, {out['predicted_tflops']:.0f} TFLOP/s per GPU (MFU {row.mfu:.1%}, active FLOPs); rank {out['rank']} of "
+        f"{out['n_feasible']} feasible layouts, its shape {out['shape_rank']} of {out['n_shapes']} shapes; "
+        f"all-to-all {row.time['ep']:.1f} s per step, exposed",
+        f"  the planner's best: {out['best'].layout.label()} (step {out['best'].time['total']:.1f} s, MFU "
+        f"{out['best'].mfu:.1%})",
+        f"  why: {out['why']}"])
 
 
 def long_context_text(out: dict) -> str:
@@ -556,7 +670,7 @@ def throughput_text(eff: float, rows: list, calibration: str = CALIBRATION) -> s
         comm = sum(e.exposed.values())
         mark = " (calibration)" if r.name == calibration else ("" if r.scored else " (not scored)")
         rank = (f" {f'{t.rank}/{t.n_feasible}' if t.rank else f'-/{t.n_feasible}':>9}" if t.n_feasible else "")
-        shape = f"{r.dp}x{r.tp}x{r.pp}" + (f"cp{r.cp}" if r.cp > 1 else "")
+        shape = f"{r.dp}x{r.tp}x{r.pp}" + (f"cp{r.cp}" if r.cp > 1 else "") + (f"ep{r.ep}" if r.ep > 1 else "")
         lines.append(f"{r.name:<30} {r.cluster.n_gpus:>5} {shape:>13} {layout_of(r).micro_batch:>3} "
                      f"{sched:>14} {r.overlap:>7} {t.predicted:>8.1f} {t.reported:>8.1f} {t.error:>+7.1%} "
                      f"{t.baseline:>8.1f} {t.baseline_error:>+7.1%} {e.time['bubble'] / tot:>6.1%} "
