@@ -507,33 +507,53 @@ def rank_among_layouts(run: PublishedRun, kernel_efficiency: float) -> tuple[int
     return rank, len(feasible), f"{feasible[0].layout.label()} (published step / best step = {ratio:.2f})"
 
 
-def long_context(run: PublishedRun = LLAMA3_128K, kernel_efficiency: float = 0.4) -> dict:
-    """A context-parallel run among the planner's layouts of its model, cluster, batch and sequence (every tp, pp,
-    cp of `_cps`, CP variant, ZeRO 0-1, recomputation, micro-batch, schedule; the run's overlap and kernels). The
-    published shape (dp, tp, pp, cp, variant) at its best feasible row, its rank among all feasible rows and among
-    shapes, the planner's best, and ``why``: the run's ``why_not`` with these numbers filled in."""
+def _placed(run: PublishedRun, rows: list, shape, kernel_efficiency: float, **kw) -> dict:
+    """A published run's shape among the planner's ``rows`` (`long_context`, `moe_run`): its best feasible row, its
+    rank among the feasible rows and among the shapes (``shape(layout)`` -> a tuple; the run's is
+    ``shape(run)``), the planner's best, the same row without recomputation, and the facts its ``why_not`` needs that
+    every such run shares. ``kw`` goes to `estimate` (the run's own options, e.g. ``moe=``)."""
     cfg, gpu = run.config, GPU_SPECS[run.gpu]
-    t0 = time.perf_counter()
-    rows = plan(cfg, gpu, run.cluster, run.global_batch, run.seq_len, kernel_efficiency, zeros=(0, 1),
-                schedules=SCHEDULES, grad_bytes=run.grad_bytes, overlaps=(run.overlap,), elementwise=run.kernels,
-                cps=_cps(run), cp_variants=CP_VARIANTS)
     feasible = [r for r in rows if r.feasible]
-
-    def shape(lay: Layout) -> tuple:
-        return lay.dp, lay.tp, lay.pp, lay.cp, lay.cp_variant if lay.cp > 1 else "ring"
-
-    mine = (run.dp, run.tp, run.pp, run.cp, run.cp_variant)
+    mine = shape(run)
     row = next((r for r in feasible if shape(r.layout) == mine), None)
     if row is None:
         raise ValueError(f"{run.name}: no feasible layout of the published shape {mine}")
     shapes = list(dict.fromkeys(shape(r.layout) for r in feasible))
     best = feasible[0]
     one = lambda lay: estimate(cfg, gpu, run.cluster, lay, run.global_batch, run.seq_len, kernel_efficiency,
-                               grad_bytes=run.grad_bytes, elementwise=run.kernels)
+                               grad_bytes=run.grad_bytes, elementwise=run.kernels, **kw)
     none = one(dataclasses.replace(row.layout, ckpt="none"))
-    ring = one(dataclasses.replace(row.layout, cp_variant="ring"))
     tot = row.time["total"]
     recompute = row.time["compute"] * (1 - row.mfu / row.hfu)          # the recomputed forward's share of compute
+    facts = dict(shape_best=row.layout.label(), shape_best_gib=row.memory["total"] / GiB,
+                 in_flight=stage_in_flight(row.layout, row.accum), layers=math.ceil(cfg.n_layer / run.pp),
+                 none_gib=none.memory["total"] / GiB, capacity=gpu.mem_gb, recompute_share=recompute / tot,
+                 best=best.layout.label(), best_gib=best.memory["total"] / GiB, speedup=tot / best.time["total"])
+    return dict(run=run, row=row, rank=feasible.index(row) + 1, shape_rank=shapes.index(mine) + 1,
+                n_feasible=len(feasible), n_shapes=len(shapes), n_layouts=len(rows), best=best, none=none,
+                facts=facts, estimate=one, predicted_tflops=tflops_of(run, row))
+
+
+def _explained(out: dict, diffs: list[str], t0: float, **facts) -> dict:
+    """`_placed`'s result with the run-specific facts and the planner's best's differences filled into ``why``."""
+    out["facts"].update(facts, best_why="; ".join(diffs) or "the same shape")
+    del out["estimate"]
+    return dict(out, why=out["run"].why_not.format(**out["facts"]), seconds=time.perf_counter() - t0)
+
+
+def long_context(run: PublishedRun = LLAMA3_128K, kernel_efficiency: float = 0.4) -> dict:
+    """A context-parallel run among the planner's layouts of its model, cluster, batch and sequence (every tp, pp,
+    cp of `_cps`, CP variant, ZeRO 0-1, recomputation, micro-batch, schedule; the run's overlap and kernels). The
+    published shape (dp, tp, pp, cp, variant) at its best feasible row, its rank among all feasible rows and among
+    shapes, the planner's best, and ``why``: the run's ``why_not`` with these numbers filled in."""
+    t0 = time.perf_counter()
+    rows = plan(run.config, GPU_SPECS[run.gpu], run.cluster, run.global_batch, run.seq_len, kernel_efficiency,
+                zeros=(0, 1), schedules=SCHEDULES, grad_bytes=run.grad_bytes, overlaps=(run.overlap,),
+                elementwise=run.kernels, cps=_cps(run), cp_variants=CP_VARIANTS)
+    shape = lambda lay: (lay.dp, lay.tp, lay.pp, lay.cp, lay.cp_variant if lay.cp > 1 else "ring")
+    out = _placed(run, rows, shape, kernel_efficiency)
+    row, best, tot = out["row"], out["best"], out["row"].time["total"]
+    ring = out["estimate"](dataclasses.replace(row.layout, cp_variant="ring"))
     diffs = []
     if best.layout.cp != run.cp:
         diffs.append(f"cp {best.layout.cp} leaves {run.seq_len // best.layout.cp:,} tokens per GPU, which fit "
@@ -544,16 +564,9 @@ def long_context(run: PublishedRun = LLAMA3_128K, kernel_efficiency: float = 0.4
     if best.layout.schedule != row.layout.schedule:
         diffs.append(f"{best.layout.schedule} (bubble {best.time['bubble'] / best.time['total']:.0%} of its step, "
                      f"{row.time['bubble'] / tot:.0%} here)")
-    facts = dict(shape_best=row.layout.label(), shape_best_gib=row.memory["total"] / GiB,
-                 in_flight=stage_in_flight(row.layout, row.accum), layers=math.ceil(cfg.n_layer / run.pp),
-                 none_gib=none.memory["total"] / GiB, capacity=gpu.mem_gb, recompute_share=recompute / tot,
-                 cp_share=row.exposed["cp"] / tot, ring_cp_share=ring.exposed["cp"] / ring.time["total"],
-                 best=best.layout.label(), best_gib=best.memory["total"] / GiB, speedup=tot / best.time["total"],
-                 best_why="; ".join(diffs) or "the same shape")
-    return dict(run=run, row=row, rank=feasible.index(row) + 1, shape_rank=shapes.index(mine) + 1,
-                n_feasible=len(feasible), n_shapes=len(shapes), n_layouts=len(rows), best=best, none=none,
-                ring=ring, facts=facts, why=run.why_not.format(**facts), seconds=time.perf_counter() - t0,
-                predicted_tflops=tflops_of(run, row))
+    out["ring"] = ring
+    return _explained(out, diffs, t0, cp_share=row.exposed["cp"] / tot,
+                      ring_cp_share=ring.exposed["cp"] / ring.time["total"])
 
 
 def moe_run(run: PublishedRun = DEEPSEEK_V3, kernel_efficiency: float = 0.4) -> dict:
@@ -561,40 +574,18 @@ def moe_run(run: PublishedRun = DEEPSEEK_V3, kernel_efficiency: float = 0.4) -> 
     ZeRO 0-1, recomputation, micro-batch 1-4, 1F1B and ZB-H1; the run's overlap and kernels). The published shape
     (dp, tp, pp, ep) at its best feasible row, its rank among all feasible rows and among shapes, the planner's
     best, and ``why``: the run's ``why_not`` with these numbers filled in."""
-    cfg, gpu = run.config, GPU_SPECS[run.gpu]
     t0 = time.perf_counter()
-    rows = plan(cfg, gpu, run.cluster, run.global_batch, run.seq_len, kernel_efficiency, micro_batches=(1, 2, 4),
-                zeros=(0, 1), schedules=("1f1b", "zb-h1"), grad_bytes=run.grad_bytes, overlaps=(run.overlap,),
-                elementwise=run.kernels, eps=_eps(run), moe=run.moe)
-    feasible = [r for r in rows if r.feasible]
-    shape = lambda lay: (lay.dp, lay.tp, lay.pp, lay.ep)
-    mine = (run.dp, run.tp, run.pp, run.ep)
-    row = next((r for r in feasible if shape(r.layout) == mine), None)
-    if row is None:
-        raise ValueError(f"{run.name}: no feasible layout of the published shape {mine}")
-    shapes = list(dict.fromkeys(shape(r.layout) for r in feasible))
-    best = feasible[0]
-    none = estimate(cfg, gpu, run.cluster, dataclasses.replace(row.layout, ckpt="none"), run.global_batch,
-                    run.seq_len, kernel_efficiency, grad_bytes=run.grad_bytes, elementwise=run.kernels, moe=run.moe)
-    tot = row.time["total"]
-    recompute = row.time["compute"] * (1 - row.mfu / row.hfu)
-    diffs = []
-    for name in ("tp", "pp", "ep"):
-        if getattr(best.layout, name) != getattr(row.layout, name):
-            diffs.append(f"{name} {getattr(best.layout, name)} instead of {getattr(row.layout, name)}")
+    rows = plan(run.config, GPU_SPECS[run.gpu], run.cluster, run.global_batch, run.seq_len, kernel_efficiency,
+                micro_batches=(1, 2, 4), zeros=(0, 1), schedules=("1f1b", "zb-h1"), grad_bytes=run.grad_bytes,
+                overlaps=(run.overlap,), elementwise=run.kernels, eps=_eps(run), moe=run.moe)
+    out = _placed(run, rows, lambda lay: (lay.dp, lay.tp, lay.pp, lay.ep), kernel_efficiency, moe=run.moe)
+    row, best, tot = out["row"], out["best"], out["row"].time["total"]
+    diffs = [f"{name} {getattr(best.layout, name)} instead of {getattr(row.layout, name)}"
+             for name in ("tp", "pp", "ep") if getattr(best.layout, name) != getattr(row.layout, name)]
     diffs.append(f"all-to-all {best.exposed['ep'] / best.time['total']:.0%} of its step, bubble "
                  f"{best.time['bubble'] / best.time['total']:.0%} (here {row.time['bubble'] / tot:.0%}), "
                  f"recomputation {best.layout.ckpt}")
-    facts = dict(shape_best=row.layout.label(), shape_best_gib=row.memory["total"] / GiB,
-                 in_flight=stage_in_flight(row.layout, row.accum), layers=math.ceil(cfg.n_layer / run.pp),
-                 none_gib=none.memory["total"] / GiB, capacity=gpu.mem_gb, recompute_share=recompute / tot,
-                 ep=run.ep, ep_span=run.ep * run.tp, ep_share=row.exposed["ep"] / tot,
-                 best=best.layout.label(), best_gib=best.memory["total"] / GiB, speedup=tot / best.time["total"],
-                 best_why="; ".join(diffs))
-    return dict(run=run, row=row, rank=feasible.index(row) + 1, shape_rank=shapes.index(mine) + 1,
-                n_feasible=len(feasible), n_shapes=len(shapes), n_layouts=len(rows), best=best, none=none,
-                facts=facts, why=run.why_not.format(**facts), seconds=time.perf_counter() - t0,
-                predicted_tflops=tflops_of(run, row))
+    return _explained(out, diffs, t0, ep=run.ep, ep_span=run.ep * run.tp, ep_share=row.exposed["ep"] / tot)
 
 
 def moe_run_text(out: dict) -> str:
