@@ -178,6 +178,21 @@ TERMS: dict[str, str] = {
     "Ulysses all-to-all": "Ulysses 全对全通信",
     "all-to-all": "全对全",
     "grouped-query attention (GQA)": "分组查询注意力（GQA）",
+    # mixture of experts and expert parallelism (lesson 11)
+    "mixture of experts (MoE)": "混合专家（MoE）",
+    "expert": "专家",
+    "expert parallelism": "专家并行",
+    "expert-data parallelism": "专家数据并行",
+    "router": "路由器",
+    "top-k routing": "top-k 路由",
+    "load balancing": "负载均衡",
+    "load-balancing loss": "负载均衡损失",
+    "auxiliary-loss-free balancing": "无辅助损失的负载均衡",
+    "capacity factor": "容量因子",
+    "dropped tokens": "丢弃的 token",
+    "shared expert": "共享专家",
+    "active parameters": "激活参数",
+    "total parameters": "总参数",
 }
 
 _ROW = re.compile(r"^\|\s*(?P<en>[^|]+?)\s*\|\s*(?P<zh>[^|]*?)\s*\|\s*$")

@@ -23,6 +23,7 @@ from course_lib import theory
 from course_lib.config import get_preset
 from course_lib.data import random_batches
 from course_lib.launch import run
+from course_lib.lessons.l11_experts import experiments as moe_lab
 from course_lib.model import build_model
 from course_lib.one_process import grads_of, params_of
 from course_lib.parallel import moe
@@ -249,33 +250,6 @@ def _uniform_layer(ep):
     return dict(comm=ep_layer.counter.table(), sent=ep_layer.sent, rank=dist.get_rank())
 
 
-def _deepspeed_moe(top_k=1):
-    """DeepSpeed's MoE layer (its own gate) on ep = world ranks: {'l_aux', 'ours', 'shape'} or {'error'}."""
-    import torch.distributed as dist
-
-    from course_lib import dist as cdist
-
-    dev = cdist.device()
-    try:
-        import deepspeed
-        from deepspeed.moe.layer import MoE
-
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
-        torch.manual_seed(0)
-        expert = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
-        layer = MoE(16, expert, num_experts=4, ep_size=dist.get_world_size(), k=top_k, capacity_factor=1.0,
-                    min_capacity=0, use_rts=False).to(dev)
-        x = torch.randn(2, 8, 16, device=dev, requires_grad=True)
-        y, l_aux, _ = layer(x)
-        (y.sum() + l_aux).backward()
-        logits = torch.nn.functional.linear(x.detach().reshape(-1, 16).float(), layer.deepspeed_moe.gate.wg.weight)
-        probs = logits.softmax(-1)
-        ours = top_k * switch_loss(probs, probs.topk(top_k, -1).indices, 4)   # DeepSpeed's f_i: counts / T
-    except Exception as exc:   # noqa: BLE001 - the outcome is the record
-        return dict(error=f"{type(exc).__name__}: {exc}")
-    return dict(l_aux=l_aux.item(), ours=ours.item(), shape=tuple(y.shape), grad=x.grad is not None)
-
-
 def _all_checks(cfg, batches, lr, world):
     out = {f"k{k}/cf{cf}/ep{world}": _run_ep(cfg, batches, k, cf, world, lr) for k, cf in CASES}
     if world == 4:
@@ -283,7 +257,7 @@ def _all_checks(cfg, batches, lr, world):
         out["k1/cfNone/ep2"] = _run_ep(cfg, batches, 1, None, 2, lr)
     out["uniform"] = _uniform_layer(world)
     if world == 2:
-        out["deepspeed"] = _deepspeed_moe()
+        out["deepspeed"] = moe_lab.deepspeed_moe()
     return out
 
 

@@ -19,8 +19,9 @@ from course_lib import theory
 from course_lib.config import get_preset
 from course_lib.dist import GridLayout
 from course_lib.grading.check import CheckFailed, answer_digest, check_answer
+from course_lib.lessons.l11_experts.experiments import mixtral_config
 from course_lib.lessons.quizzes import QUIZZES, quiz, score
-from course_lib.parallel import schedules
+from course_lib.parallel import moe, schedules
 from course_lib.theory import practice
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +49,9 @@ EXPECTED = {
            "q3": min(1.0, 1.0 / (0.5 * math.sqrt(8) + 1e-6))},     # max_norm / the norm summed over 8 replicas
     "10": {"q1": theory.context.layer_comm("ring", 1, 131072, 4096, 8, 2)[("forward", "send")]["bytes"] / 1e9,
            "q2": theory.context.work_imbalance(4096, 4, "contiguous"), "q3": 8},        # 8 K/V heads of Llama-3-8B
+    "11": {"q1": theory.experts.uniform_layer_comm(4096, 8, 7168, 8, dtype_bytes=2)["payload"] / 1e6,
+           "q2": 200 - moe.capacity_of(1.25, 2048, 1, 16),
+           "q3": 100 * (lambda p: p["active"] / p["total"])(theory.experts.moe_params(mixtral_config(), 8, 1))},
 }
 
 
@@ -90,7 +94,7 @@ def test_check_answer_tolerance_and_kinds():
 
 def test_no_notebook_spells_a_quiz_answer():
     """The lessons' quiz cells hold no expected value (numbers or words) and start unanswered."""
-    for path in sorted((ROOT / "notebooks").glob("0*.ipynb")):
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
         lesson = path.name[:2]
         cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
         sources = ["".join(c["source"]) for c in cells]
@@ -113,7 +117,7 @@ def test_predictions_start_empty():
     """Every prediction a lesson asks for starts as None (or a dict of None): nothing to copy from."""
     import ast
     found = 0
-    for path in sorted((ROOT / "notebooks").glob("0*.ipynb")):
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
         for cell in json.loads(path.read_text())["cells"]:
             if cell["cell_type"] != "code":
                 continue

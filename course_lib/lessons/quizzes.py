@@ -72,6 +72,11 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
         "q2": ("efed06a0f8085e6e19823b54", None, "section 3: the contiguous split's work per rank, last over first"),
         "q3": ("423687081bf0b29c94348f45", None, "section 4: Ulysses gives each rank whole heads, K/V heads included"),
     },
+    "11": {
+        "q1": ("bcce44ab22ec12b903d7ba67", 0.01, "section 3: one dispatch carries T k rows of C values of b bytes"),
+        "q2": ("8715baaa1c9164fd9f5a73e7", None, "section 2: the capacity rounds up; the expert's other rows drop"),
+        "q3": ("585ba3c09d47d606dd065aa4", 0.02, "section 1: the total minus the 3 C F (E - k) a token skips a layer"),
+    },
 }
 
 

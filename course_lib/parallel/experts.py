@@ -92,6 +92,7 @@ class ExpertGroups:
 ExpertCounter = LayerCounter    # the all-to-alls one rank's MoE layer called, each counted by its input
 
 
+@reference_for("11-all-to-all-combine")
 class AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with split sizes, differentiable: the backward sends the gradients back the reverse way
     (output splits and input splits swapped)."""

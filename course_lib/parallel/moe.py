@@ -70,6 +70,7 @@ def switch_loss(probs: torch.Tensor, indices: torch.Tensor, n_experts: int, alph
     return alpha * n_experts * (f * P).sum()
 
 
+@reference_for("11-router-loss")
 class TopKRouter(nn.Module):
     """Top-k router (lesson 11; Shazeer et al. 2017, Mixtral, Switch): x (T, C) -> logits (T, E), probs (T, E),
     weights (T, k), indices (T, k). ``expert_bias`` (E,) shifts the choice only (DeepSeek-V3)."""

@@ -1,0 +1,189 @@
+"""What the graded exercises of lesson 11 call (solutions/11_mixture_of_experts.ipynb).
+
+The learner writes, with the signatures below:
+
+    top_k_route(logits, top_k, normalize) -> (probs, weights, indices)
+    balancing_loss(probs, indices, n_experts, alpha) -> 0-d tensor                 11-router-loss (one process)
+    dispatch_order(indices, n_experts) -> (order, counts, inverse)                  11-dispatch-permutation
+    capacity_keep(indices, n_experts, capacity_factor) -> (keep (T, k), dropped)     11-capacity-drop
+    split_sizes(counts, group=None) -> (send, recv, got)
+    expert_parallel_compute(rows, counts, experts, group=None) -> out              11-all-to-all-combine (2 ranks)
+
+Each check compares with a one-process reference (`course_lib.parallel.moe`), and a failure raises `CheckFailed`
+with a one-line message naming the case. `rank_try_all_to_all` returns records (`rank_records.RankRecords`) that
+`check_records` replays in the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from course_lib import dist as cdist
+from course_lib.collective_counter import CollectiveCounter
+from course_lib.grading.check import check_close, check_equal
+from course_lib.lessons.rank_records import RankRecords, replay_records
+from course_lib.parallel.moe import SwiGLUExperts, capacity_of, dispatch_permutation, switch_loss
+
+__all__ = ["check_router_loss", "check_dispatch", "check_capacity", "rank_try_all_to_all", "check_records"]
+
+
+def _logits(T=24, E=6, seed=0, scale=2.0):
+    return torch.randn(T, E, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# ------------------------------------------------------------------------------ 11-router-loss
+
+def check_router_loss(top_k_route, balancing_loss) -> dict:
+    """The router for k = 1, 2, 3, with and without renormalisation (Switch keeps p of the chosen experts; softmax
+    of the k chosen logits is then wrong); the Switch loss and its gradient w.r.t. the logits (through P_i only),
+    on a skewed routing (f_i from probabilities differ from f_i from counts). Returns {"loss": value at k=2}."""
+    out = {}
+    for k in (1, 2, 3):
+        for normalize in (True, False):
+            logits = _logits(seed=k)
+            probs, weights, indices = top_k_route(logits, k, normalize)
+            ref_p = logits.softmax(-1)
+            ref_w, ref_i = torch.topk(ref_p, k, -1)
+            if normalize:
+                ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+            case = f"top_k_route(k={k}, normalize={normalize})"
+            check_close(f"{case}: probs = softmax over all E experts", probs, ref_p, rtol=0, atol=1e-6,
+                        hint="softmax of the logits over the experts' dimension, before choosing any")
+            check_equal(f"{case}: indices (the k largest, in descending order)", indices.tolist(), ref_i.tolist(),
+                        hint="torch.topk of the probabilities along the experts' dimension")
+            check_close(f"{case}: weights", weights, ref_w, rtol=0, atol=1e-6,
+                        hint="the chosen probabilities; renormalised over the k only when normalize is True "
+                             "(a softmax over the k chosen logits renormalises always)")
+    for k in (1, 2):
+        logits = (_logits(T=32, E=4, seed=10 + k) + torch.tensor([3.0, 1.0, 0.0, 0.0])).requires_grad_()
+        probs = logits.softmax(-1)
+        indices = torch.topk(probs, k, -1).indices
+        got = balancing_loss(probs, indices, 4, 0.01)
+        want = switch_loss(probs, indices, 4, 0.01)
+        check_close(f"balancing_loss(k={k}, skewed routing, alpha=0.01)", float(torch.as_tensor(got).detach()),
+                    float(want.detach()), rtol=1e-5, atol=0,
+                    hint="f_i = the fraction of the T k assignments that chose expert i (counts, not probabilities); "
+                         "P_i = the mean probability of expert i; alpha E sum_i f_i P_i")
+        g_got, = torch.autograd.grad(got, logits, retain_graph=True)
+        g_want, = torch.autograd.grad(want, logits)
+        check_close(f"balancing_loss(k={k}): gradient w.r.t. the logits", g_got, g_want, rtol=0, atol=1e-7,
+                    hint="the counts carry no gradient; only P_i does")
+        out[k] = float(torch.as_tensor(got).detach())
+    uniform = torch.full((8, 4), 0.25)
+    check_close("balancing_loss of a uniform routing (8 tokens, 4 experts, k=1, alpha=0.01)",
+                float(balancing_loss(uniform, torch.arange(8).remainder(4).unsqueeze(1), 4, 0.01)), 0.01, rtol=1e-6,
+                hint="f_i = P_i = 1/E: the loss is alpha")
+    return out
+
+
+# ------------------------------------------------------------------------------ 11-dispatch-permutation
+
+def check_dispatch(dispatch_order) -> list[dict]:
+    """Routings of k = 1 and 2 (random, one expert never chosen, all to one expert): order = stable argsort of the
+    choice-major expert ids, counts per expert, inverse: sorted rows put back == the rows. Returns one row a case."""
+    rows = []
+    g = torch.Generator().manual_seed(3)
+    cases = [("random, k=1", torch.randint(0, 5, (40, 1), generator=g)),
+             ("random, k=2", torch.randint(0, 5, (40, 2), generator=g)),
+             ("expert 4 never chosen, k=2", torch.randint(0, 4, (17, 2), generator=g)),
+             ("all to expert 2, k=1", torch.full((9, 1), 2))]
+    for name, idx in cases:
+        order, counts, inverse = dispatch_order(idx, 5)
+        ref = dispatch_permutation(idx, 5)
+        check_equal(f"dispatch_order({name}): order", [int(i) for i in order], ref.order.tolist(),
+                    hint="flatten the (T, k) ids choice-major (all first choices, then all second), then a stable "
+                         "argsort")
+        check_equal(f"dispatch_order({name}): counts", [int(c) for c in counts], ref.counts.tolist(),
+                    hint="one count per expert, zeros included (minlength)")
+        x = torch.arange(idx.numel()) * 10
+        check_equal(f"dispatch_order({name}): x[order][inverse] == x", x[order][inverse].tolist(), x.tolist(),
+                    hint="the inverse permutation puts each sorted row back where it came from: argsort of the order")
+        rows.append(dict(case=name, counts=[int(c) for c in counts]))
+    return rows
+
+
+# ------------------------------------------------------------------------------ 11-capacity-drop
+
+def check_capacity(capacity_keep) -> list[dict]:
+    """keep (T, k) and the number dropped for capacity factors 0.5, 1.0, 1.25, 2.0 on skewed routings of k = 1 and 2:
+    over-capacity assignments dropped in order (every first choice before any second, then by position)."""
+    rows = []
+    g = torch.Generator().manual_seed(5)
+    for k in (1, 2):
+        T, E = 24, 4
+        probs = (torch.randn(T, E, generator=g) + torch.tensor([2.0, 1.0, 0.0, 0.0])).softmax(-1)
+        idx = torch.topk(probs, k, -1).indices
+        for cf in (0.5, 1.0, 1.25, 2.0):
+            keep, dropped = capacity_keep(idx, E, cf)
+            d = dispatch_permutation(idx, E, capacity_of(cf, T, k, E))
+            want = torch.zeros(T * k, dtype=torch.bool)
+            want[d.order[d.keep]] = True                                  # sorted rows -> choice-major positions
+            want = want.view(k, T).t()                                    # (A,) -> (T, k)
+            case = f"capacity_keep(k={k}, capacity_factor={cf}, {T} tokens, {E} experts)"
+            check_equal(f"{case}: dropped", int(dropped), d.dropped,
+                        hint="capacity = ceil(capacity_factor T k / E); an expert keeps at most that many")
+            check_equal(f"{case}: keep", torch.as_tensor(keep).bool().tolist(), want.tolist(),
+                        hint="every token's first choice is served before any second choice; within a choice, "
+                             "earlier tokens first")
+            rows.append(dict(k=k, cf=cf, dropped=int(dropped)))
+    return rows
+
+
+# ------------------------------------------------------------------------------ 11-all-to-all-combine
+
+def rank_try_all_to_all(split_sizes, expert_parallel_compute, T: int = 12, C: int = 8, F: int = 6,
+                        n_experts: int = 4, top_k: int = 2) -> list[dict]:
+    """On every rank (ep = the world size): this rank's tokens routed (skewed, seeded by rank), sorted by expert;
+    the learner's split sizes vs the counts every rank sent; the learner's compute (its experts' shard, all-to-all
+    there and back) vs the full experts in one process; collectives called. Returns records."""
+    rec = RankRecords("11-all-to-all-combine", rtol=0)
+    dev = cdist.device()
+    P, r = dist.get_world_size(), dist.get_rank()
+    n = n_experts // P
+    torch.manual_seed(0)
+    full = SwiGLUExperts(n_experts, C, F).to(dev)                       # the same weights on every rank
+    shard = SwiGLUExperts(n, C, F, first=r * n).to(dev)
+    with torch.no_grad():
+        for name in ("w1", "w2", "w3"):
+            getattr(shard, name).copy_(getattr(full, name)[r * n:(r + 1) * n])
+    g = torch.Generator().manual_seed(100 + r)
+    all_idx = [torch.topk(torch.randn(T, n_experts, generator=torch.Generator().manual_seed(100 + s))
+                          + torch.tensor([1.5 * s, 1.0, 0.0, 0.0][:n_experts]), top_k, -1).indices for s in range(P)]
+    idx = all_idx[r]
+    x = torch.randn(T, C, generator=g).to(dev)
+    d = dispatch_permutation(idx, n_experts)
+    rows = x[d.tokens.to(dev)]                                          # (A, C) sorted by expert
+    counts = d.counts.to(dev)
+    sent = torch.stack([torch.bincount(i.reshape(-1), minlength=n_experts) for i in all_idx])   # (P, E)
+    try:
+        with torch.no_grad():
+            send, recv, got = split_sizes(counts.clone(), None)
+            rec.add("equal", "split_sizes: send (rows to each rank)", [int(v) for v in send],
+                    sent[r].view(P, n).sum(1).tolist(), "rank j holds experts j E/P .. (j+1) E/P - 1: add their counts")
+            rec.add("equal", "split_sizes: recv (rows from each rank)", [int(v) for v in recv],
+                    sent[:, r * n:(r + 1) * n].sum(1).tolist(),
+                    "exchange the counts with one all_to_all_single: part j of (E,) goes to rank j")
+            rec.add("equal", "split_sizes: got (P, E/P)", torch.as_tensor(got).reshape(P, n).tolist(),
+                    sent[:, r * n:(r + 1) * n].tolist(), "got[s, e]: rows rank s sends to my local expert e")
+            counter = CollectiveCounter()
+            with counter:
+                y = expert_parallel_compute(rows, counts.clone(), shard, None)
+            want = full(rows, d.counts.tolist())
+            rec.add("equal", "expert_parallel_compute: output shape", list(y.shape), list(want.shape),
+                    "one output row per input row, in the input's order")
+            rec.add("close", "expert_parallel_compute: max |output - the full experts in one process|",
+                    (y - want).abs().max().item() if y.shape == want.shape else float("inf"), 0.0,
+                    "received rows arrive ordered (source rank, expert): sort them by local expert before the "
+                    "experts, and undo that sort before sending them back", tol=1e-5)
+            ops = {op: row["calls"] for (_, op), row in counter.table().items()}
+            rec.add("equal", "expert_parallel_compute: collectives called", sorted(ops), ["all_to_all_single"],
+                    "only dist.all_to_all_single (counts, dispatch, combine)")
+    except Exception as exc:  # noqa: BLE001 - a learner's error becomes a failed check
+        rec.error(exc)
+    return rec.items
+
+
+def check_records(returns: list, exercise: str) -> int:
+    """Every rank's records of `exercise` replayed as check_* calls (`rank_records.replay_records`)."""
+    return replay_records(returns, exercise)
