@@ -9,6 +9,8 @@ model's parameters and gradients to compare with it (`course_lib.lessons.errors`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
@@ -29,20 +31,26 @@ def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_reference(cfg: ModelConfig, batches, optimizer: str | None = "sgd", lr: float = 0.1, seed: int = 0,
-                    device: torch.device | str = "cpu") -> dict:
+                    device: torch.device | str = "cpu", model: nn.Module | None = None,
+                    loss_fn: Callable | None = None) -> dict:
     """One process on the whole global batch: what every parallel run must reproduce.
 
     optimizer: 'sgd', 'adamw' or None (forward and backward only: gradients accumulate over the batches).
+    ``model``: another model than ``build_model(cfg, seed)`` (e.g. a GPT whose MLPs are experts, lesson 11);
+    ``loss_fn(model, x, y)``: another loss than the LM loss of its logits (then no logits are returned).
     Returns {'losses': [...], 'params' (after the last step), 'grads' (of the last batch), 'first_grads' (of
     the first), 'logits' (of the last batch)}."""
-    model = build_model(cfg, seed).to(device)
+    model = (build_model(cfg, seed) if model is None else model).to(device)
     opt = None
     if optimizer is not None:
         opt = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer](model.parameters(), lr=lr)
     losses, grads, first_grads, logits = [], None, None, None
     for x, y in batches:
-        logits = model(x.to(device))                                   # (B, T, V)
-        loss = lm_loss(logits, y.to(device))
+        if loss_fn is None:
+            logits = model(x.to(device))                               # (B, T, V)
+            loss = lm_loss(logits, y.to(device))
+        else:
+            loss = loss_fn(model, x.to(device), y.to(device))
         loss.backward()
         grads = grads_of(model)
         first_grads = first_grads or grads

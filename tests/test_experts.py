@@ -25,7 +25,7 @@ from course_lib.data import random_batches
 from course_lib.launch import run
 from course_lib.lessons.l11_experts import experiments as moe_lab
 from course_lib.model import build_model
-from course_lib.one_process import grads_of, params_of
+from course_lib.one_process import grads_of, params_of, train_reference
 from course_lib.parallel import moe
 from course_lib.parallel.experts import validate_expert_parallel
 from course_lib.parallel.moe import (MoELayer, apply_moe, dispatch_permutation, from_hf_mixtral, from_hf_qwen2_moe,
@@ -265,19 +265,7 @@ BATCHES = random_batches(CFG, BATCH, STEPS, seed=0)
 
 
 def _reference(top_k, cf, groups):
-    model = _moe_model(CFG, top_k, cf, groups, "cpu")
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    out = dict(losses=[])
-    for step, (x, y) in enumerate(BATCHES):
-        loss = moe_loss(model, x, y)
-        loss.backward()
-        if step == 0:
-            out["first_grads"] = grads_of(model)
-        out["losses"].append(loss.item())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    out["params"] = params_of(model)
-    return out
+    return train_reference(CFG, BATCHES, "sgd", LR, model=_moe_model(CFG, top_k, cf, groups, "cpu"), loss_fn=moe_loss)
 
 
 @pytest.fixture(scope="module")

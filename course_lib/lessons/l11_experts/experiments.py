@@ -19,7 +19,7 @@ import torch
 from course_lib.config import ModelConfig, get_preset
 from course_lib.data import random_batches
 from course_lib.model import build_model
-from course_lib.one_process import grads_of, params_of
+from course_lib.one_process import grads_of, params_of, train_reference
 from course_lib.parallel.moe import (apply_moe, capacity_of, dispatch_permutation, from_hf_mixtral, moe_layers,
                                      moe_loss, switch_loss, update_expert_bias)
 
@@ -117,19 +117,7 @@ def _model(cfg, top_k, cf, groups, dev="cpu"):
 def moe_reference(cfg, batches, top_k, cf, groups, lr) -> dict:
     """One process on the global batch, capacity per group of tokens (= one rank's): losses, first gradients,
     parameters after the steps (SGD)."""
-    model = _model(cfg, top_k, cf, groups)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    out = dict(losses=[])
-    for step, (x, y) in enumerate(batches):
-        loss = moe_loss(model, x, y)
-        loss.backward()
-        if step == 0:
-            out["first_grads"] = grads_of(model)
-        out["losses"].append(loss.item())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    out["params"] = params_of(model)
-    return out
+    return train_reference(cfg, batches, "sgd", lr, model=_model(cfg, top_k, cf, groups), loss_fn=moe_loss)
 
 
 def _run_ep(cfg, batches, top_k, cf, ep, lr, skew=0.0):
