@@ -40,37 +40,103 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_grade(args: argparse.Namespace) -> int:
-    from course_lib.grading import grade, sandbox
+def _outputs(results: list[dict], args: argparse.Namespace, document=None) -> None:
+    """Write what the options ask for: --json (``document`` for a shard: `shards.document`), --csv, --lms-csv,
+    --feedback."""
+    import json
 
+    from course_lib.grading import feedback, grade, lms
+
+    if args.json:
+        if document is not None:
+            Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
+        else:
+            grade.write_json(results, args.json)
+    if args.csv:
+        grade.write_csv(results, args.csv)
+    if args.lms_csv:
+        lms.write(results, args.lms_csv)
+    if getattr(args, "feedback", None):
+        feedback.write(results, args.feedback)
+
+
+def _exit_code(results: list[dict]) -> int:
+    if any(r["status"] == "grader error" for r in results):
+        return 2
+    return 1 if any(r["status"] != "graded" for r in results) else 0
+
+
+def cmd_merge(args: argparse.Namespace, files: list[str]) -> int:
+    """``course grade merge RESULTS... [--csv OUT] [--json OUT] [--lms-csv OUT]``: the shards' JSON as one class."""
+    from course_lib.grading import grade, shards
+
+    try:
+        results = shards.merge(files)
+    except shards.ShardError as exc:
+        print(f"course grade {exc}", file=sys.stderr)
+        return 2
+    print(grade.table(results))
+    _outputs(results, args)
+    print(f"merged {len(files)} shard file(s): {len(results)} submissions", file=sys.stderr)
+    return _exit_code(results)
+
+
+def cmd_grade(args: argparse.Namespace) -> int:
+    from course_lib.grading import grade, jobs, sandbox, shards
+
+    if args.paths[0] == "merge" and not Path("merge").exists():
+        return cmd_merge(args, args.paths[1:])
+    try:
+        limits = sandbox.Limits(args.memory_mb, args.max_procs, args.cpus)
+        shard = shards.Shard.parse(args.shard) if args.shard else None
+    except (sandbox.SandboxError, shards.ShardError) as exc:
+        print(f"course grade: {exc}", file=sys.stderr)
+        return 2
+    n_jobs, rule = jobs.default_jobs(limits)
+    if args.jobs is not None:
+        if args.jobs < 1:
+            print(f"course grade: --jobs {args.jobs}: give at least 1 submission at a time (the default here is "
+                  f"{rule})", file=sys.stderr)
+            return 2
+        n_jobs, rule = args.jobs, f"--jobs {args.jobs}"
+    try:
+        plan = jobs.plan_class(args.paths, args.solutions or _default("solutions"), shard=shard,
+                               only=args.exercise, lesson=args.lesson)
+    except (jobs.ClassError, grade.GraderError) as exc:
+        print(f"course grade: {exc}", file=sys.stderr)
+        return 2
+    if not plan.members:
+        print(f"course grade: no notebooks found in {args.paths}", file=sys.stderr)
+        return 1
     why = "--no-sandbox" if args.no_sandbox else sandbox.unavailable()
     if why:
         print(f"course grade: WARNING: no sandbox ({why}): each submission runs as you, can read solutions/ "
               f"and your files, use the network and all the memory"
               + ("" if args.no_sandbox else "; pass --no-sandbox to accept this"), file=sys.stderr)
+    for note in plan.notes:
+        print(f"course grade: {note}", file=sys.stderr)
+    mine = plan.mine()
+    if len(mine) > 1 and n_jobs > 1 or shard:
+        print(f"course grade: {len(mine)} submissions" + (f" (shard {shard} of a class of {len(plan.members)})"
+                                                          if shard else "")
+              + f", {min(n_jobs, max(1, len(mine)))} at a time ({rule})", file=sys.stderr)
     try:
-        limits = sandbox.Limits(args.memory_mb, args.max_procs, args.cpus)
-    except sandbox.SandboxError as exc:
-        print(f"course grade: {exc}", file=sys.stderr)
-        return 2
-    try:
-        results = grade.grade_many(args.paths, args.solutions or _default("solutions"),
+        results = jobs.grade_class(plan, jobs=n_jobs, progress=not args.no_progress,
                                    cell_timeout=args.cell_timeout, total_timeout=args.total_timeout,
                                    output_limit=args.output_limit, keep=args.keep,
                                    sandboxed=False if args.no_sandbox else None, limits=limits)
+    except jobs.Interrupted as exc:
+        _outputs(exc.results, args, shards.document(exc.results, shard, plan.roster()) if shard else None)
+        print(f"course grade: {exc}: every sandbox stopped; the {len(exc.results)} of {len(mine)} submissions "
+              f"graded before are written", file=sys.stderr)
+        return 128 + exc.signum
     except Exception as exc:  # noqa: BLE001 - the grader itself failed
         traceback.print_exc()
         print(f"course grade: the grader failed: {exc}", file=sys.stderr)
         return 2
-    if not results:
-        print(f"course grade: no notebooks found in {args.paths}", file=sys.stderr)
-        return 1
     print(grade.table(results))
-    if args.json:
-        grade.write_json(results, args.json)
-    if args.csv:
-        grade.write_csv(results, args.csv)
-    return 1 if any(r["status"] != "graded" for r in results) else 0
+    _outputs(results, args, shards.document(results, shard, plan.roster()) if shard else None)
+    return _exit_code(results)
 
 
 def add_parsers(subparsers) -> None:
@@ -82,11 +148,22 @@ def add_parsers(subparsers) -> None:
     b.add_argument("--exercises", default=None, help="exercises folder (default: next to the solutions folder)")
     b.set_defaults(func=cmd_build)
 
-    g = subparsers.add_parser("grade", help="grade submitted notebooks (files or class folders)",
-                              description="Run each submission in a fresh kernel with the official tests "
-                                          "restored; print a table per exercise. Exit 0 graded, 1 a "
-                                          "submission could not be read, 2 the grader failed.")
-    g.add_argument("paths", nargs="+", help="submission notebooks, or folders of them (one class)")
+    g = subparsers.add_parser(
+        "grade", help="grade submitted notebooks (files or class folders); `grade merge` joins shards",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run each submission in a fresh kernel, in its own sandbox, with the official tests restored; "
+                    "print a table per exercise.\nExit 0 graded, 1 a submission could not be read, 2 bad input "
+                    "(found before anything runs) or the grader failed, 130/143 stopped by SIGINT/SIGTERM (the "
+                    "results graded before are written).\n\n"
+                    "  course grade CLASS/ --jobs 4 --csv class.csv --json class.json --lms-csv lms.csv "
+                    "--feedback fb/\n"
+                    "  course grade CLASS/ --shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT --json part-K.json\n"
+                    "  course grade merge part-*.json --csv class.csv --json class.json --lms-csv lms.csv\n"
+                    "  course grade CLASS/alice --exercise 02-ring-all-reduce      # a regrade request\n\n"
+                    "The student of a submission is the first folder under the class folder, else the file's name "
+                    "(docs/GRADING.md).")
+    g.add_argument("paths", nargs="+", help="submission notebooks, or folders of them (one class, one lesson); "
+                                            "or `merge` and the shards' JSON files")
     g.add_argument("--solutions", default=None, help="folder of official notebooks (default: ./solutions)")
     g.add_argument("--json", default=None, help="write every result (per exercise) to this JSON file")
     g.add_argument("--csv", default=None, help="write a summary, one row per student, to this CSV file")
@@ -102,6 +179,23 @@ def add_parsers(subparsers) -> None:
                    help=f"processes + threads cap per submission (default {DEFAULT_MAX_PROCS})")
     g.add_argument("--cpus", type=float, default=None,
                    help="CPU quota per submission in cores, all its processes together (default: all cores)")
+    g.add_argument("--jobs", type=int, default=None,
+                   help="submissions graded at once, each in its own sandbox (default: min(cores // CPUs per "
+                        "submission (--cpus, else 1), available memory // --memory-mb), at least 1)")
+    g.add_argument("--shard", default=None, metavar="K/N",
+                   help="grade the K-th of N round-robin slices of the sorted class (K from 1, e.g. a SLURM "
+                        "array's task id); --json then records the class for `course grade merge`")
+    g.add_argument("--exercise", action="append", default=None, metavar="ID",
+                   help="grade only this exercise (repeatable): its cells and the earlier cells they need "
+                        "(a regrade request)")
+    g.add_argument("--lesson", default=None, help="the lesson every submission must be of (default: the one "
+                                                   "they all are of; a class mixing lessons is refused)")
+    g.add_argument("--lms-csv", default=None, help="write a gradebook for an LMS: student, one column per "
+                                                   "exercise, total")
+    g.add_argument("--feedback", default=None, metavar="DIR",
+                   help="write DIR/<student>.md per submission: points, status and the failing check per "
+                        "exercise (never a hidden test's expected value or a quiz's answer)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (it only shows on a terminal)")
     g.set_defaults(func=cmd_grade)
 
 

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from course_lib import procs, reference
-from course_lib.grading import kernel_guard, sandbox
+from course_lib.grading import kernel_guard, regrade, sandbox
 from course_lib.grading import notebook as nbio
 
 DEFAULT_CELL_TIMEOUT = 120.0
@@ -171,7 +171,8 @@ def guard_plan(assembled, official) -> dict:
 # ----------------------------------------------------------------------------------------- scoring
 
 def score(nb, record: dict) -> list[dict]:
-    """Per exercise: {exercise, points, max, status} from the runner's record of every cell."""
+    """Per exercise: {exercise, points, max, status} from the runner's record of every cell, and ``hidden_test``:
+    True where the first test cell that did not pass is a hidden one (`feedback` then keeps its message back)."""
     by_index = {c["index"]: c for c in record.get("cells", [])}
     rows: dict[str, dict] = {}
     since_last_test: list[dict] = []  # student cells between the previous test cell and this one
@@ -186,7 +187,8 @@ def score(nb, record: dict) -> list[dict]:
         ex = info["exercise"]
         row = rows.setdefault(ex, {"exercise": ex, "points": 0.0, "max": 0.0, "status": None, "tests": []})
         row["max"] += info["points"]
-        row["tests"].append(entry or {"index": i, "status": "not-run", "ename": "", "evalue": ""})
+        row["tests"].append({**(entry or {"index": i, "status": "not-run", "ename": "", "evalue": ""}),
+                             "hidden": info["hidden"]})
         span.setdefault(ex, []).extend(since_last_test)
         since_last_test = []
     refused = _refused(record)
@@ -194,6 +196,9 @@ def score(nb, record: dict) -> list[dict]:
         tests = row.pop("tests")
         row["status"] = refused.get(ex) or _status(tests, span.get(ex, []), record)
         row["points"] = row["max"] if row["status"] == "passed" else 0.0
+        first_bad = next((t for t in tests if t["status"] not in ("ok", "skipped")), None)
+        if row["status"] != "passed" and first_bad is not None and first_bad["hidden"]:
+            row["hidden_test"] = True   # the status may hold a hidden test's expected value: not for students
     return list(rows.values())
 
 
@@ -300,7 +305,7 @@ def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, ou
                 "PYTHONPATH": os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p),
                 "PYDEVD_DISABLE_FILE_VALIDATION": "1", "JUPYTER_PLATFORM_DIRS": "1"})
     cmd = [sys.executable, "-m", "course_lib.grading.runner", str(workdir / "plan.json")]
-    cgroup = None
+    cgroup, cpu_s = None, None
     if caps is not None:
         try:
             cmd = sandbox.command(cmd, workdir, hidden=list(hidden))
@@ -333,6 +338,7 @@ def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, ou
             text = record_file.read().decode(errors="replace")
     finally:
         if cgroup is not None:
+            cpu_s = cgroup.cpu_seconds()
             cgroup.close()
     left = procs.alive(tag)
     try:  # the last record written, maybe followed by the tail of a longer one before it (see runner.save)
@@ -344,13 +350,15 @@ def _run(assembled, workdir: Path, cell_timeout: float, total_timeout: float, ou
         raise GraderError(f"the grading runner produced no record (exit code {proc.returncode}):\n{tail}")
     record["runner_exit"] = proc.returncode
     record["left_behind"] = len(left)
+    record["cpu_seconds"] = round(cpu_s, 2) if cpu_s is not None else None   # counted by the cgroup
     return record
 
 
 def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solutions", *,
                      cell_timeout: float = DEFAULT_CELL_TIMEOUT, total_timeout: float = DEFAULT_TOTAL_TIMEOUT,
                      output_limit: int = DEFAULT_OUTPUT_LIMIT, keep: bool = False, sandboxed: bool | None = None,
-                     limits: sandbox.Limits | None = None, warm_ranks: bool = False) -> dict:
+                     limits: sandbox.Limits | None = None, warm_ranks: bool = False,
+                     only: list[str] | None = None) -> dict:
     """Grade one notebook. Returns {submission, lesson, status, points, max, exercises: [...], sandbox, ...}.
 
     ``status`` is ``graded`` or ``unreadable`` (with ``error``). ``sandboxed``: None runs the submission in
@@ -359,7 +367,8 @@ def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solu
     notebook's runs share warm ranks (`course_lib.pool`), as in a learner's own kernel: only for notebooks the
     course wrote (tests/test_grading.py grades the solutions and their generated student copies so); a
     submission's own runs could leave state in warm ranks for the official tests' runs, so `course grade` never
-    sets it. Raises `GraderError` when the grader itself fails.
+    sets it. ``only``: grade just these exercises (a regrade, `course_lib.grading.regrade`); the result then
+    lists them only and says so in ``only``. Raises `GraderError` when the grader itself fails.
     """
     path = Path(path)
     if not isinstance(solutions, Solutions):
@@ -377,6 +386,12 @@ def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solu
                 "error": f"{path}: cannot tell which lesson this is (no matching notebook in {solutions.folder})"}
     official = solutions.notebooks[lesson]
     assembled = assemble(sub, official)
+    if only:
+        try:
+            assembled = regrade.select(assembled, list(only))
+        except regrade.SelectionError as exc:
+            raise GraderError(f"{path}: {exc}") from None
+        result["only"] = list(only)
     workdir = Path(tempfile.mkdtemp(prefix=f"course-grade-{os.getpid()}-"))     # the pid: whose cgroup it is
     t0 = time.perf_counter()
     try:
@@ -396,7 +411,8 @@ def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solu
         result["warnings"].append(f"{record['left_behind']} process(es) survived the clean-up")
     result.update(lesson=lesson, exercises=rows, points=sum(r["points"] for r in rows),
                   max=sum(r["max"] for r in rows), seconds=round(time.perf_counter() - t0, 2),
-                  run_seconds=record.get("seconds"), kernel_start_s=record.get("kernel_start_s"),
+                  run_seconds=record.get("seconds"), cpu_seconds=record.get("cpu_seconds"),
+                  kernel_start_s=record.get("kernel_start_s"),
                   restarts=record.get("restarts", 0), runner_max_rss_mb=record.get("max_rss_mb"),
                   memory_peak_mb=record.get("memory_peak_mb"), workdir=str(workdir) if keep else None)
     if record.get("replay_error"):
@@ -426,17 +442,6 @@ def student_name(path: Path, roots: list[Path]) -> str:
     return path.stem
 
 
-def grade_many(paths: list[str | Path], solutions: str | Path = "solutions", **kw) -> list[dict]:
-    roots = [Path(p) for p in paths]
-    snapshot = Solutions(solutions)
-    results = []
-    for path in find_submissions(paths):
-        res = grade_submission(path, snapshot, **kw)
-        res["student"] = student_name(path, roots)
-        results.append(res)
-    return results
-
-
 # ------------------------------------------------------------------------------------------ output
 
 def table(results: list[dict]) -> str:
@@ -461,13 +466,14 @@ def write_json(results: list[dict], path: str | Path) -> None:
     Path(path).write_text(json.dumps(results, indent=1) + "\n")
 
 
+def exercise_columns(results: list[dict]) -> list[str]:
+    """The exercises of ``results`` in the order they first appear: the CSVs' columns."""
+    return list(dict.fromkeys(r["exercise"] for res in results for r in res["exercises"]))
+
+
 def write_csv(results: list[dict], path: str | Path) -> None:
     """One row per submission (student): total, max, status, each exercise's points and the sandbox."""
-    exercises = []
-    for res in results:
-        for r in res["exercises"]:
-            if r["exercise"] not in exercises:
-                exercises.append(r["exercise"])
+    exercises = exercise_columns(results)
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["student", "submission", "lesson", "points", "max", "status", *exercises, "sandbox"])

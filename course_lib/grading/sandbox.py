@@ -142,8 +142,8 @@ def doctor_line() -> tuple[bool, str]:
 # ---------------------------------------------------------------------------------------- cgroups
 
 def cgroup_dirs() -> dict[str, Path]:
-    """This process's cgroup folders: ``v2`` (the unified hierarchy), ``memory``, ``pids`` and ``cpu`` (v1) where
-    mounted."""
+    """This process's cgroup folders: ``v2`` (the unified hierarchy), ``memory``, ``pids``, ``cpu`` and ``cpuacct``
+    (v1) where mounted (``cpu`` and ``cpuacct`` may be one folder)."""
     where = {}  # hierarchy -> path of this process in it
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
@@ -154,7 +154,7 @@ def cgroup_dirs() -> dict[str, Path]:
         fields = line.split()
         root, point = fields[3], fields[4]
         fstype, options = fields[fields.index("-") + 1], fields[-1].split(",")
-        names = ["v2"] if fstype == "cgroup2" else [o for o in ("memory", "pids", "cpu") if o in options] \
+        names = ["v2"] if fstype == "cgroup2" else [o for o in ("memory", "pids", "cpu", "cpuacct") if o in options] \
             if fstype == "cgroup" else []
         for name in names:
             path = where.get(name)
@@ -248,6 +248,8 @@ class Cgroup:
             self.folders = [dirs["memory"] / name, dirs["pids"] / name]
             if cpu_capped(via):
                 self.folders.append(dirs["cpu"] / name)
+            if _writable(dirs.get("cpuacct")) and dirs["cpuacct"] / name not in self.folders:
+                self.folders.append(dirs["cpuacct"] / name)      # counts the CPU time (`cpu_seconds`)
         for folder in self.folders:
             folder.mkdir()
         for key, value in settings.items():
@@ -257,6 +259,21 @@ class Cgroup:
         # The shell joins the cgroup, then becomes the command: everything it starts is counted.
         join = " && ".join(f"echo $$ > {shlex.quote(str(f / 'cgroup.procs'))}" for f in self.folders)
         self.enter = ["/bin/sh", "-c", join + ' && exec "$@"', "sh"]
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time its processes used so far (s): ``cpu.stat`` ``usage_usec`` (v2) or ``cpuacct.usage`` (v1); None
+        where nothing counts it (``systemd-run``, no cpuacct controller)."""
+        for folder in self.folders:
+            try:
+                if (folder / "cpuacct.usage").exists():
+                    return int((folder / "cpuacct.usage").read_text()) / 1e9
+                if self.via == "cgroup v2" and (folder / "cpu.stat").exists():
+                    for line in (folder / "cpu.stat").read_text().splitlines():
+                        if line.startswith("usage_usec "):
+                            return int(line.split()[1]) / 1e6
+            except (OSError, ValueError):
+                return None
+        return None
 
     def close(self) -> None:
         """Remove the cgroup (killing whatever is still in it)."""
