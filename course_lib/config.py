@@ -60,7 +60,8 @@ class ModelConfig:
     Fields (see docs/CONVENTIONS.md): vocab_size, seq_len (maximum context), n_layer, n_head,
     d_model, d_ff (MLP hidden size; None is resolved to 4*d_model when the config is created),
     n_kv_head (key/value heads for grouped-query attention; None is resolved to n_head), dropout, bias (biases in Linear and LayerNorm), tie_embeddings (output
-    head shares the token embedding), norm, mlp, pos, name.
+    head shares the token embedding), norm, mlp, pos, name, qk_norm (a LayerNorm over each head's query and key
+    before the dot product, Dehghani et al. 2023; lesson 09: attention-logit growth at a high learning rate).
     """
 
     vocab_size: int
@@ -77,6 +78,7 @@ class ModelConfig:
     mlp: str = "gelu"
     pos: str = "learned"
     name: str = ""
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -105,7 +107,7 @@ class ModelConfig:
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
                 or not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout={self.dropout!r} must be a float in [0, 1) (e.g. dropout=0.0)")
-        for f in ("bias", "tie_embeddings"):
+        for f in ("bias", "tie_embeddings", "qk_norm"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"{f}={getattr(self, f)!r} must be True or False")
         _validate_choice(self, "norm", _NORMS)
@@ -152,6 +154,8 @@ class ModelConfig:
         norm = d * (1 + b) if self.norm == "layernorm" else d
         attn = d * d + 2 * d * kv_dim + d * d          # q, k, v, output projection
         attn += b * (d + 2 * kv_dim + d)
+        if self.qk_norm:                               # one norm over head_dim for q, one for k, shared by heads
+            attn += 2 * (self.head_dim * (1 + b) if self.norm == "layernorm" else self.head_dim)
         if self.mlp == "gelu":
             mlp = 2 * d * dff + b * (dff + d)          # fc (d->dff), proj (dff->d)
         else:

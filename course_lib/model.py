@@ -26,16 +26,61 @@ import torch.nn.functional as F
 
 from course_lib.config import ConfigError, ModelConfig
 
-__all__ = ["GPT", "Block", "CausalSelfAttention", "MLP", "lm_loss", "build_model", "hf_gpt2_config", "to_hf_gpt2"]
+__all__ = ["GPT", "Block", "CausalSelfAttention", "MLP", "lm_loss", "z_loss", "track_attention_logits",
+           "max_attention_logit", "build_model", "hf_gpt2_config", "to_hf_gpt2"]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy: logits (B, T, V), targets (B, T) -> scalar, computed in fp32."""
+    """Mean next-token cross-entropy: logits (B, T, V), targets (B, T) -> scalar, computed in fp32.
+    Targets equal to -100 (padding) are left out of the mean (`course_lib.token_loss`)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())   # (B*T, V) vs (B*T,)
 
 
+def z_loss(logits: torch.Tensor, targets: torch.Tensor | None = None, ignore_index: int = -100,
+           reduction: str = "mean") -> torch.Tensor:
+    """log(Z)^2 of the output softmax, Z = sum_v exp(logit_v), per position (fp32): the auxiliary loss of PaLM
+    (Chowdhery et al. 2022, "Training setup": "We additionally use an auxiliary loss of z_loss = 10^-4 · log^2 Z to
+    encourage the softmax normalizer log(Z) to be close to 0, which we found increases the stability of
+    training"). Add `1e-4 * z_loss(logits, targets)` to the training loss (lesson 09).
+
+    It acts on the *output* logits only: it keeps them from drifting (the softmax is unchanged by adding a
+    constant to every logit, so cross-entropy alone never pulls them back); it does not touch the attention logits.
+    logits (B, T, V); targets (B, T) or None: positions whose target is `ignore_index` are left out.
+    reduction 'mean' (over kept positions) or 'sum' (to divide by a global token count, `course_lib.token_loss`).
+    """
+    lse = torch.logsumexp(logits.float(), dim=-1)                   # (B, T, V) -> (B, T): log Z per position
+    sq = lse.square()
+    if targets is not None:
+        sq = sq.masked_fill(targets == ignore_index, 0.0)
+        count = (targets != ignore_index).sum().clamp(min=1)
+    else:
+        count = sq.numel()
+    if reduction == "sum":
+        return sq.sum()
+    if reduction != "mean":
+        raise ValueError(f"reduction={reduction!r} is unknown: pick 'mean' or 'sum'")
+    return sq.sum() / count
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention (Vaswani et al. 2017, section 3.2) with one fused qkv matmul."""
+    """Multi-head causal self-attention (Vaswani et al. 2017, section 3.2) with one fused qkv matmul.
+
+    cfg.qk_norm adds `q_norm`, `k_norm`: a LayerNorm over each head's D features of the queries and of the keys
+    (shared by the heads) before the dot product. Dehghani et al. 2023 ("Scaling Vision Transformers to 22 Billion
+    Parameters") saw a divergence caused by "extremely large values in attention logits, which lead to
+    (almost one-hot) attention weights with near-zero entropy" and "apply LayerNorm (Ba et al., 2016) to the queries
+    and keys before the dot-product attention computation". OLMo 2 (Team OLMo 2024) uses QK-norm with RMSNorm, over
+    the whole query (and key) projection of all heads at once (Hugging Face's `Olmo2Attention`:
+    `q_norm = Olmo2RMSNorm(num_attention_heads * head_dim)`); here the per-head LayerNorm of Dehghani et al.
+
+    Set `record_max_logit = True` (or `track_attention_logits(model)`) to keep, after each forward, the largest
+    attention logit q.k / sqrt(D) over the causal positions in `max_logit` (a 0-dim tensor, no gradient): an extra
+    (B, H, T, T) matmul without autograd; the output is not changed.
+    """
+
+    qk_norm = False                       # class defaults: a subclass that skips this __init__ (lesson 10's
+    record_max_logit = False              # ContextParallelAttention) still runs `forward`
+    max_logit: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -43,6 +88,12 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)   # C -> 3C: q, k, v
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)      # C -> C
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = nn.LayerNorm(cfg.head_dim, bias=cfg.bias)          # over D, per head
+            self.k_norm = nn.LayerNorm(cfg.head_dim, bias=cfg.bias)
+        self.record_max_logit = False
+        self.max_logit = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -50,6 +101,10 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, T, C) -> (B, H, T, D)
         k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, H, T, D)
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)      # (B, H, T, D)
+        if self.qk_norm:                                                  # QK-norm (Dehghani et al. 2023)
+            q, k = self.q_norm(q), self.k_norm(k)                         # (B, H, T, D), each head normalised
+        if self.record_max_logit:
+            self.max_logit = self._max_logit(q.detach(), k.detach())
         y = self.attend(q, k, v)                                          # (B, H, T, D)
         y = y.transpose(1, 2).contiguous().view(B, T, C)                  # (B, H, T, D) -> (B, T, C)
         return self.resid_drop(self.proj(y))
@@ -60,6 +115,30 @@ class CausalSelfAttention(nn.Module):
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
+
+    @torch.no_grad()
+    def _max_logit(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """max over batch, heads and causal (query, key) pairs of q.k / sqrt(D), in fp32: a 0-dim tensor."""
+        T = q.shape[-2]
+        logits = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)   # (B, H, T, T)
+        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)            # (T, T) key after query
+        return logits.masked_fill(future, float("-inf")).amax()
+
+
+def track_attention_logits(model: nn.Module, on: bool = True) -> None:
+    """Switch the recording of the largest attention logit on (or off) in every `CausalSelfAttention` of `model`
+    (lesson 09). Read it after a forward with `max_attention_logit(model)`."""
+    for m in model.modules():
+        if isinstance(m, CausalSelfAttention):
+            m.record_max_logit = on
+            m.max_logit = None
+
+
+def max_attention_logit(model: nn.Module) -> float:
+    """The largest attention logit q.k / sqrt(D) of the last forward, over every layer (NaN where none was
+    recorded: call `track_attention_logits(model)` first)."""
+    seen = [m.max_logit for m in model.modules() if isinstance(m, CausalSelfAttention) and m.max_logit is not None]
+    return max(float(t) for t in seen) if seen else float("nan")
 
 
 class MLP(nn.Module):
@@ -178,9 +257,9 @@ def hf_gpt2_config(cfg: ModelConfig):
     """A `transformers.GPT2Config` with the same shape as `cfg` (GELU tanh = "gelu_new", eps 1e-5)."""
     from transformers import GPT2Config
 
-    if not cfg.gpt2_style or not cfg.bias:
+    if not cfg.gpt2_style or not cfg.bias or cfg.qk_norm:
         raise ConfigError(
-            f"hf_gpt2_config needs a gpt2-style config with bias=True; got {cfg.name or cfg!r}"
+            f"hf_gpt2_config needs a gpt2-style config with bias=True and qk_norm=False; got {cfg.name or cfg!r}"
         )
     return GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layer,

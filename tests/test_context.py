@@ -34,6 +34,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the rank functio
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CFG = dataclasses.replace(get_preset("tiny"), seq_len=32)     # 2 layers, 4 heads, d_model 64, s = 32
+QK_CFG = dataclasses.replace(CFG, qk_norm=True)              # lesson 09's QK-norm: its norms act before the ring
 BATCH, STEPS, LR = 2, 3, 0.3
 CASES = [("ring", "balanced"), ("ring", "contiguous"), ("all_gather", "balanced"), ("ulysses", "balanced")]
 SUBGROUP_CASES = [("ring", "balanced"), ("all_gather", "contiguous")]   # on 4 ranks: cp = 2 groups {0, 1}, {2, 3}
@@ -249,6 +250,7 @@ def _all_checks(cfg, batches, lr, subgroup_cases, try_torch):
     out["wrong"] = {w: _wrong_variant(cfg, batches, w, lr) for w in WRONG}
     if try_torch:
         out["torch"] = _torch_context_parallel(cfg, batches)
+        out["qk_norm"] = _run_variant(QK_CFG, batches, "ring", "balanced", None, lr, measure=False)
     return out
 
 
@@ -285,6 +287,17 @@ def test_equals_one_process(ranks, reference, world, key):
                                    msg=lambda m: f"{what}: logits {m}")
         _assert_same(row["first_grads"], reference["first_grads"], f"{what}: gradient")
         _assert_same(row["params"], reference["params"], f"{what}: parameters after {STEPS} SGD steps")
+
+
+def test_qk_norm_model_equals_one_process(ranks):
+    """A model with QK-norm stays equal to one process under ring attention (its q/k norms are kept, not dropped)."""
+    ref = train_reference(QK_CFG, BATCHES, optimizer="sgd", lr=LR)
+    plain = train_reference(CFG, BATCHES, optimizer="sgd", lr=LR)
+    assert abs(ref["losses"][0] - plain["losses"][0]) > 1e-4         # the norms change the model: the test can fail
+    for r, res in enumerate(ranks[2]):
+        row = res["qk_norm"]
+        assert row["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6), f"qk_norm rank {r}"
+        _assert_same(row["params"], ref["params"], f"qk_norm rank {r}: parameters after {STEPS} SGD steps")
 
 
 @pytest.mark.parametrize("world,key", KEYS)

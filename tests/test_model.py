@@ -118,3 +118,88 @@ def test_training_steps_take_loss_down(tiny):
         losses.append(loss.item())
     assert losses[0] == pytest.approx(math.log(256), abs=0.3)   # uniform guess at init
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+# ---- lesson 09: QK-norm, the largest attention logit, z-loss (options off: the model above, bit for bit) ----
+
+def test_options_off_leave_the_model_bit_identical(tiny):
+    idx = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    plain = build_model(tiny, seed=5)
+    ref = plain(idx)
+    from course_lib.model import max_attention_logit, track_attention_logits
+    assert math.isnan(max_attention_logit(plain))                        # nothing recorded unless asked
+    track_attention_logits(plain)
+    assert torch.equal(plain(idx), ref)                                  # recording changes no output
+    track_attention_logits(plain, on=False)
+    assert torch.equal(plain(idx), ref) and math.isnan(max_attention_logit(plain))
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in build_model(tiny).named_parameters()]
+    assert not any("q_norm" in n for n in plain.state_dict())
+
+
+def test_max_attention_logit_is_the_largest_causal_q_dot_k(tiny):
+    from course_lib.model import max_attention_logit, track_attention_logits
+    for qk in (False, True):
+        cfg = tiny.replace(qk_norm=qk)
+        model = build_model(cfg, seed=2)
+        with torch.no_grad():                                    # make the logits large, and one future key huge
+            model.blocks[1].attn.qkv.weight.mul_(20)
+        track_attention_logits(model)
+        idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+        model(idx)
+        by_hand, unmasked, captured = [], [], {}
+        for block in model.blocks:
+            block.attn.register_forward_pre_hook(lambda m, a: captured.__setitem__(m, a[0]))
+        model(idx)
+        for block in model.blocks:
+            a, x = block.attn, captured[block.attn]
+            B, T, C = x.shape
+            q, k, _ = a.qkv(x).split(C, dim=-1)
+            q, k = (t.view(B, T, a.n_head, a.head_dim).transpose(1, 2) for t in (q, k))
+            if qk:
+                q, k = a.q_norm(q), a.k_norm(k)
+            s = (q @ k.transpose(-2, -1)) / math.sqrt(a.head_dim)          # (B, H, T, T)
+            causal = torch.ones(T, T, dtype=torch.bool).tril()
+            by_hand.append(s[..., causal].max().item())
+            unmasked.append(s.max().item())
+        assert max_attention_logit(model) == pytest.approx(max(by_hand), rel=1e-5)
+        assert max(unmasked) > max(by_hand) * 1.01, "no future key is larger: the mask would go untested"
+
+
+def test_qk_norm_counts_its_parameters_and_bounds_the_logits(tiny):
+    cfg = tiny.replace(qk_norm=True)
+    model = build_model(cfg)
+    assert model.num_params() == cfg.num_params() == tiny.num_params() + tiny.n_layer * 2 * 2 * tiny.head_dim
+    assert build_model(cfg.replace(bias=False)).num_params() == cfg.replace(bias=False).num_params()
+    assert isinstance(model.blocks[0].attn.q_norm, torch.nn.LayerNorm)
+    with pytest.raises(ConfigError, match="qk_norm"):
+        hf_gpt2_config(cfg)
+    with pytest.raises(ConfigError, match="qk_norm"):
+        tiny.replace(qk_norm=1)
+    # LayerNorm'd q, k have norm sqrt(D) (weights 1, bias 0): |q.k| / sqrt(D) <= sqrt(D) whatever the weights
+    from course_lib.model import max_attention_logit, track_attention_logits
+    with torch.no_grad():
+        for b in model.blocks:
+            b.attn.qkv.weight.mul_(50)
+    track_attention_logits(model)
+    model(torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)))
+    plain = build_model(tiny)
+    with torch.no_grad():
+        for b in plain.blocks:
+            b.attn.qkv.weight.mul_(50)
+    track_attention_logits(plain)
+    plain(torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)))
+    assert max_attention_logit(model) <= math.sqrt(tiny.head_dim) * (1 + 1e-4) < max_attention_logit(plain) / 10
+
+
+def test_z_loss_is_palms_log_z_squared():
+    from course_lib.model import z_loss
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 7, generator=g) * 3
+    per = torch.log(torch.exp(logits.double()).sum(-1)) ** 2                     # (B, T): log^2 Z by hand
+    torch.testing.assert_close(z_loss(logits).double(), per.mean(), rtol=1e-6, atol=0)
+    y = torch.tensor([[1, -100, 2], [-100, -100, 0]])
+    torch.testing.assert_close(z_loss(logits, y).double(), per[y != -100].mean(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(z_loss(logits, y, reduction="sum").double(), per[y != -100].sum(), rtol=1e-6, atol=0)
+    assert z_loss(logits - torch.logsumexp(logits, -1, keepdim=True)).item() < 1e-10   # normalised: log Z = 0
+    with pytest.raises(ValueError, match="reduction"):
+        z_loss(logits, reduction="none")

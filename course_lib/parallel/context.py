@@ -152,6 +152,9 @@ class ContextParallelAttention(CausalSelfAttention):
         nn.Module.__init__(self)
         self.n_head, self.head_dim, self.dropout = attn.n_head, attn.head_dim, attn.dropout
         self.qkv, self.proj, self.resid_drop = attn.qkv, attn.proj, attn.resid_drop
+        self.qk_norm = attn.qk_norm
+        if attn.qk_norm:                     # QK-norm acts on each rank's rows before the ring: keep the same norms
+            self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
         self.group, self.variant, self.split = group, variant, split
         self.counter = ContextCounter()
 

@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course_lib.config import ConfigError
+
 __all__ = ["block_plan", "parallelize_blocks", "apply_dtensor_tp", "permute_qkv_rows", "unpermute_qkv_rows"]
 
 
@@ -78,5 +80,7 @@ def parallelize_blocks(blocks: nn.ModuleList, mesh, sequence_parallel: bool = Fa
 
 def apply_dtensor_tp(model: nn.Module, mesh) -> nn.Module:
     """DTensor tensor parallelism on a whole plain GPT (blocks split, embeddings and head replicated)."""
+    if getattr(model.cfg, "qk_norm", False):
+        raise ConfigError("qk_norm=True is not supported by the DTensor tensor parallelism here: set qk_norm=False")
     parallelize_blocks(model.blocks, mesh, sequence_parallel=False)
     return model

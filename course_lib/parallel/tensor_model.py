@@ -42,6 +42,8 @@ def validate_tensor_parallel(cfg: ModelConfig, tp: int, seq_len: int | None = No
     sequence length with sequence parallelism). E.g. "tp=3 does not divide n_head=4: pick tp in {1, 2, 4}"."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp={tp!r} must be a positive int (the number of tensor-parallel ranks)")
+    if getattr(cfg, "qk_norm", False):
+        raise ConfigError("qk_norm=True is not supported by the course's tensor parallelism (its q/k norms would need their gradients all-reduced over tp): set qk_norm=False")
     sizes = [("n_head", cfg.n_head), ("d_ff", cfg.d_ff), ("vocab_size", cfg.vocab_size)]
     if sequence_parallel:
         sizes.append(("seq_len", cfg.seq_len if seq_len is None else seq_len))

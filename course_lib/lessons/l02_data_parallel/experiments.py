@@ -29,13 +29,16 @@ from course_lib.one_process import grads_of, params_of
 from course_lib.parallel.collectives import ByteCounter, ring_all_reduce
 from course_lib.parallel.ddp import BucketedDDP, average_gradients
 from course_lib.reference import reference_for
+from course_lib.token_loss import global_token_count, global_valid_tokens, loss_sum_and_tokens, mask_padding, \
+    token_normalized
 
-__all__ = ["rank_train", "accumulation_step", "rank_throughput", "rank_ring_vs_all_reduce"]
+__all__ = ["rank_train", "accumulation_step", "accumulate_gradients", "padded_batches", "rank_throughput",
+           "rank_ring_vs_all_reduce"]
 
 
 def rank_train(cfg: ModelConfig, batches, mode: str = "bucketed", lr: float = 0.1, seed: int = 0,
                bucket_cap_mb: float = 25.0, accum_steps: int = 1, group=None, average_fn=None,
-               ddp_cls=None, accum_fn=None) -> dict:
+               ddp_cls=None, accum_fn=None, loss_norm: str | None = None) -> dict:
     """Train on this rank's shard of every global batch and return what a test compares.
 
     mode: 'naive' (`average_gradients` after backward; `average_fn` replaces it), 'bucketed'
@@ -44,11 +47,16 @@ def rank_train(cfg: ModelConfig, batches, mode: str = "bucketed", lr: float = 0.
     `parameters()`; any other DDP object only registers hooks, and the plain model is used.
     accum_steps > 1 splits this rank's shard into micro-batches (gradient accumulation with `no_sync`;
     `accum_fn(ddp, model, opt, micro_batches)` replaces the reference loop).
+    loss_norm 'tokens' or 'mean' (mode='bucketed'; batches may be padded, targets -100 at padding, see
+    `padded_batches`): `accumulate_gradients` over accum_steps micro-batches, the summed loss divided by the
+    global number of valid tokens ('tokens', right) or each micro-batch's mean divided by accum_steps ('mean',
+    what weighs tokens unequally); gradients of every step are then kept.
     Returns {'losses' (global mean loss per step), 'params', 'grads' (last step), 'first_grads' (first step;
-    both None with accumulation), 'num_all_reduces' (BucketedDDP's counter)}.
+    both None with accumulation unless loss_norm is given), 'num_all_reduces' (BucketedDDP's counter)}.
     """
-    if accum_steps > 1 and mode != "bucketed":
-        raise ValueError(f"accum_steps={accum_steps} needs mode='bucketed' (its no_sync), not mode={mode!r}")
+    if (accum_steps > 1 or loss_norm is not None) and mode != "bucketed":
+        raise ValueError(f"accum_steps={accum_steps}, loss_norm={loss_norm!r} need mode='bucketed' (its no_sync), "
+                         f"not mode={mode!r}")
     r, n = dist.get_rank(group), dist.get_world_size(group)
     dev = cdist.device()
     model = build_model(cfg, seed).to(dev)
@@ -62,6 +70,14 @@ def rank_train(cfg: ModelConfig, batches, mode: str = "bucketed", lr: float = 0.
     losses, grads, first_grads = [], None, None
     for x, y in batches:
         x, y = shard_batch(x, r, n).to(dev), shard_batch(y, r, n).to(dev)
+        if loss_norm is not None:
+            micro = list(zip(x.chunk(accum_steps), y.chunk(accum_steps)))
+            losses.append(accumulate_gradients(ddp, model, micro, loss_norm).item())
+            grads = grads_of(model)
+            first_grads = first_grads or grads
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            continue
         if accum_steps > 1:
             micro = list(zip(x.chunk(accum_steps), y.chunk(accum_steps)))
             loss = (accum_fn or accumulation_step)(ddp, model, opt, micro)
@@ -102,6 +118,52 @@ def accumulation_step(ddp: BucketedDDP, model: nn.Module, optimizer: torch.optim
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total
+
+
+def accumulate_gradients(ddp: BucketedDDP, model: nn.Module, micro_batches: list,
+                         loss_norm: str = "tokens") -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches (communication on the last one only, `no_sync`
+    before), leaving in `.grad` the gradient of the global batch's loss; no optimizer step (lessons 02, 09).
+
+    loss_norm='tokens': each micro-batch back-propagates its summed loss x n / N, N the valid tokens over every
+    micro-batch and rank (`course_lib.token_loss`; x n undoes the DDP's mean over n ranks): every valid token
+    weighs 1/N, as in one process over the same tokens. loss_norm='mean': each micro-batch back-propagates its
+    mean loss / k and DDP averages the ranks -- equal only when every micro-batch has as many valid tokens.
+    micro_batches: [(x, y)], each (b, T), targets -100 at padding. Returns the loss of the global batch it
+    optimises (the token mean, or the mean of the micro-batch means), the same on every rank.
+    """
+    if loss_norm not in ("tokens", "mean"):
+        raise ValueError(f"loss_norm={loss_norm!r} is unknown: pick 'tokens' (sum / global valid tokens) or 'mean'")
+    k, group = len(micro_batches), ddp.group
+    n_global = global_valid_tokens([y for _, y in micro_batches], group)   # one all-reduce, before any backward
+    total = torch.zeros((), device=micro_batches[0][0].device)
+    for i, (x, y) in enumerate(micro_batches):
+        with (contextlib.nullcontext() if i == k - 1 else ddp.no_sync()):
+            if loss_norm == "tokens":
+                loss_sum, _ = loss_sum_and_tokens(model(x), y)                 # (b, T, V) -> ()
+                loss = token_normalized(loss_sum, n_global, grad_divisor=ddp.world_size)
+                total += loss_sum.detach()
+            else:
+                loss = lm_loss(model(x), y) / k
+                total += loss.detach()
+            loss.backward()
+    ddp.finish_gradient_synchronization()
+    if loss_norm == "tokens":
+        return global_token_count(total, group) / n_global.clamp(min=1)
+    return global_token_count(total, group) / ddp.world_size
+
+
+def padded_batches(cfg: ModelConfig, global_batch: int, steps: int = 1, seed: int = 0,
+                   min_len: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`random_batches` whose rows are right-padded sequences of random lengths in [min_len, T]: the targets past
+    a row's length are -100 (ignored by the loss), so micro-batches and ranks hold different numbers of valid
+    tokens (lesson 02, "a loss that counts tokens right"). The same on every rank for a seed."""
+    g = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for x, y in random_batches(cfg, global_batch, steps, seed):
+        lengths = torch.randint(min_len, y.shape[1] + 1, (global_batch,), generator=g)   # (B,)
+        out.append((x, mask_padding(y, lengths)))
+    return out
 
 
 # ----------------------------------------------------------------------------------------- throughput
