@@ -9,11 +9,15 @@
 * `random_batches()`: global batches of uniformly random token ids, the same on every rank for a seed: the
   data of every experiment that compares a parallel run with one process (the content does not matter
   there, only that every run sees the same numbers). `shard_batch()` gives a rank its rows.
+* `WindowLoader`: the training script's loader (lesson 09): a finite dataset of token windows, shuffled anew each
+  epoch, whose position (epoch, batch) is its `state_dict`: it goes into every checkpoint, so a resumed run reads
+  on where it stopped, and `skip` moves it past batches (spike recovery); optional padding of each sequence.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import os
 from pathlib import Path
 from typing import NamedTuple, Sequence
@@ -21,7 +25,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 __all__ = ["ByteTokenizer", "text_corpus", "SyntheticCorpus", "synthetic_corpus",
-           "markov_transition_matrix", "get_batch", "random_batches"]
+           "markov_transition_matrix", "get_batch", "random_batches", "WindowLoader"]
 
 
 class ByteTokenizer:
@@ -248,3 +252,91 @@ def shard_batch(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
                          f"use a multiple of {world}")
     b = t.shape[0] // world
     return t[rank * b:(rank + 1) * b]
+
+
+# ---- a stateful loader: the training script's data position (lesson 09) ------------------------------
+
+class WindowLoader:
+    """Global batches from a finite dataset of token windows, shuffled per epoch, with its position as state.
+
+    The dataset: ``n = (len(tokens) - 1) // seq_len`` windows of seq_len + 1 tokens, window i starting at token
+    i * seq_len (x = its first seq_len tokens, y the next-token targets). Epoch e visits them in the order
+    ``torch.randperm(n, generator=manual_seed(seed * 1_000_003 + e))``, ``global_batch`` at a time (the last
+    incomplete batch of an epoch is dropped, as ``DataLoader(drop_last=True)`` does), then epoch e + 1 reshuffles.
+
+    ``batch = f(seed, step)`` (`get_batch`) makes a resumed run's data position its step: true only while every
+    step reads exactly one batch and nothing is ever skipped. A real loader has a position of its own; here it is
+    (epoch, batch within the epoch), what `state_dict` returns (JSON: it goes into the checkpoint's ``extra``) and
+    `load_state_dict` restores, as torchdata's ``StatefulDataLoader`` does for a PyTorch ``DataLoader``. `skip`
+    moves it without reading: PaLM's recovery skips the batches that led to a loss spike.
+
+    ``pad_fraction`` f > 0: sequence j of a batch keeps a length drawn uniformly from [ceil((1 - f) T), T] (from
+    the batch's position and the seed: the same on every rank); past it, x is 0 and y is ``ignore_index`` (no loss,
+    no token: `course_lib.token_loss`). Every rank draws the whole global batch and takes its rows
+    (`shard_batch`): ranks' shards concatenated in rank order are the one-process batch.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int = 0,
+                 pad_fraction: float = 0.0, ignore_index: int = -100):
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
+            raise ValueError("WindowLoader: tokens must be a 1-D tensor of token ids (e.g. text_corpus())")
+        for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"WindowLoader: {name}={value!r} must be a positive int")
+        if not 0.0 <= pad_fraction < 1.0:
+            raise ValueError(f"WindowLoader: pad_fraction={pad_fraction!r} must be in [0, 1)")
+        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+        self.pad_fraction, self.ignore_index = pad_fraction, ignore_index
+        self.n_windows = (tokens.numel() - 1) // seq_len
+        self.batches_per_epoch = self.n_windows // global_batch
+        if self.batches_per_epoch < 1:
+            raise ValueError(f"WindowLoader: {tokens.numel()} tokens make {self.n_windows} windows of "
+                             f"seq_len + 1 = {seq_len + 1}, fewer than one global batch of {global_batch}")
+        self.epoch, self.batch = 0, 0
+        self._order: tuple[int, torch.Tensor] | None = None
+
+    @property
+    def position(self) -> int:
+        """Global batches read (or skipped) since the start: the index of the next one."""
+        return self.epoch * self.batches_per_epoch + self.batch
+
+    def _epoch_order(self) -> torch.Tensor:
+        if self._order is None or self._order[0] != self.epoch:
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % (2**63 - 1))
+            self._order = (self.epoch, torch.randperm(self.n_windows, generator=g))
+        return self._order[1]
+
+    def skip(self, n: int) -> None:
+        """Move past ``n`` global batches without reading them."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"WindowLoader.skip: n={n!r} must be an int >= 0")
+        self.epoch, self.batch = divmod(self.position + n, self.batches_per_epoch)
+
+    def next(self, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s rows of the next global batch, and advance: x, y (global_batch / world_size, seq_len)."""
+        rows = self._epoch_order()[self.batch * self.global_batch:(self.batch + 1) * self.global_batch]
+        offsets = rows[:, None] * self.seq_len + torch.arange(self.seq_len + 1)         # (B, T+1)
+        window = self.tokens[offsets].long()                                           # (B, T+1)
+        x, y = window[:, :-1].clone(), window[:, 1:].clone()                           # (B, T), (B, T)
+        if self.pad_fraction > 0:
+            g = torch.Generator().manual_seed((self.seed * 1_000_003 + 7919 * self.position + 1) % (2**63 - 1))
+            shortest = max(1, math.ceil((1.0 - self.pad_fraction) * self.seq_len))
+            lengths = torch.randint(shortest, self.seq_len + 1, (self.global_batch,), generator=g)   # (B,)
+            pad = torch.arange(self.seq_len) >= lengths[:, None]                       # (B, T) True at padding
+            x, y = x.masked_fill(pad, 0), y.masked_fill(pad, self.ignore_index)
+        self.skip(1)
+        return shard_batch(x, rank, world_size), shard_batch(y, rank, world_size)
+
+    def state_dict(self) -> dict:
+        """JSON-ready: the position and what it means (the settings that fix the order)."""
+        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed, "n_windows": self.n_windows,
+                "global_batch": self.global_batch, "pad_fraction": self.pad_fraction}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        differ = [k for k in ("seed", "n_windows", "global_batch", "pad_fraction") if state[k] != mine[k]]
+        if differ:
+            raise ValueError(f"WindowLoader: the saved position is for {', '.join(f'{k}={state[k]}' for k in differ)}"
+                             f", this loader has {', '.join(f'{k}={mine[k]}' for k in differ)}: the same position "
+                             f"would be other data; resume with the same data settings")
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])

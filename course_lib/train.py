@@ -14,8 +14,25 @@ step's metrics to TensorBoard and a JSON-lines stream (`course_lib.monitor`), ev
 ``torchrun --max-restarts`` after a rank died, resumes from the newest checkpoint and continues bit-exactly.
 
 Rank 0 writes ``OUT/result.json``: the config, the loss of every step, the steps it resumed from, the alerts that
-fired and the time each step took. Data: `course_lib.data.get_batch` draws step s's global batch from (seed, s)
-alone, so the data position of a resumed run is its step.
+fired and the time each step took.
+
+Data: `course_lib.data.WindowLoader`, a shuffling loader over a finite dataset of token windows whose position
+(epoch, batch) goes into every checkpoint: a resumed run reads on where the checkpoint stopped, which is not its step
+once batches were skipped. The loss is the summed loss over the global number of valid tokens of the step (every
+micro-batch of every rank: `course_lib.token_loss`, torchtitan's PR 2206), right with padded sequences too
+(``data.pad_fraction``).
+
+When a large run goes wrong (lesson 09, second part):
+- a loss spike: ``[spikes]`` runs a z-score detector (`course_lib.spikes`) on the loss and the gradient norm, both
+  all-reduced (the same numbers, hence the same decision, on every rank); on a spike the run goes back to the newest
+  checkpoint at least ``min_steps_back`` steps before it, skips the batches read since that checkpoint (and
+  ``skip_batches`` more), optionally lowers the learning rate (PaLM, Chowdhery et al. 2022, section 5.1), and records
+  it under ``spikes`` in the record;
+- a hang: each rank writes a heartbeat (`course_lib.watchdog`) and `launch` watches them: a rank silent for
+  ``watchdog.timeout_s`` is named and stopped, and with ``max_restarts`` the job resumes from its checkpoint.
+
+    python -m course_lib.train --config configs/tiny_spike.toml --nprocs 2                     # launches torchrun
+    python -m course_lib.train --config configs/tiny_hang.toml --nprocs 2 --max-restarts 1
 """
 
 from __future__ import annotations
@@ -39,12 +56,26 @@ def _restart_count() -> int:
 
 
 def _tokens(cfg, seed: int):
+    """The run's token stream: the offline text corpus, or random tokens drawn from the seed."""
     from course_lib.data import text_corpus
 
     vocab = cfg.model.config().vocab_size
     if cfg.data.source == "corpus":
         return text_corpus(2_000_000).long() % vocab      # bytes (0-255) into the vocabulary
     return torch.randint(vocab, (1_000_000,), generator=torch.Generator().manual_seed(seed))
+
+
+def _loader(cfg):
+    from course_lib.data import WindowLoader
+
+    return WindowLoader(_tokens(cfg, cfg.job.seed), cfg.model.config().seq_len, cfg.data.global_batch,
+                        seed=cfg.job.seed, pad_fraction=cfg.data.pad_fraction)
+
+
+def _poisoned(y, vocab: int):
+    """``[fault] kind = "spike"``: a batch's targets scrambled, each byte b replaced by vocab - 1 - b (text's ASCII
+    bytes become bytes that text never has; padding stays padding): bad data, as a corrupted shard gives."""
+    return torch.where(y >= 0, vocab - 1 - y, y)
 
 
 def _build_model(cfg, device):
@@ -91,14 +122,20 @@ def _scheduler(cfg, optimizer):
 
 
 class LossOf(torch.nn.Module):
-    """``LossOf(model)(x, y) == model.loss(x, y)`` through ``__call__``: DDP's hooks see the whole forward."""
+    """``LossOf(model)(x, y) == model.loss(x, y)`` through ``__call__``: DDP's hooks see the whole forward.
+    ``summed=True``: the summed loss over the valid targets instead (`token_loss.loss_sum_and_tokens`)."""
 
-    def __init__(self, model):
+    def __init__(self, model, summed: bool = False):
         super().__init__()
-        self.model = model
+        self.model, self.summed = model, summed
 
     def forward(self, x, y):
-        return self.model.loss(x, y)
+        if not self.summed:
+            return self.model.loss(x, y)
+        from course_lib.token_loss import loss_sum_and_tokens
+
+        out = self.model(x)
+        return loss_sum_and_tokens(getattr(out, "logits", out), y)[0]       # (B, T, V) vs (B, T) -> ()
 
 
 class Engine:
@@ -112,13 +149,14 @@ class Engine:
         self.cfg, self.kind, self.device = cfg, cfg.parallelism.engine, device
         model, blocks = _build_model(cfg, device)
         self.model, self.ds_engine, self.scheduler = model, None, None
+        self.accum, self.dp = layout["accum"], layout["dp"]
+        self.summed = cfg.data.loss == "global_tokens"
         if self.kind == "deepspeed":
             self._init_deepspeed(model, layout)
             return
-        self.accum = layout["accum"]
         if self.kind == "ddp":
-            self.net = nn.parallel.DistributedDataParallel(LossOf(model)) if dist.get_world_size() > 1 \
-                else LossOf(model)
+            self.net = nn.parallel.DistributedDataParallel(LossOf(model, self.summed)) \
+                if dist.get_world_size() > 1 else LossOf(model, self.summed)
         else:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -127,7 +165,7 @@ class Engine:
             for block in blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
-            self.net = LossOf(model)
+            self.net = LossOf(model, self.summed)
         self.optimizer = _optimizer(cfg, model.parameters())
         self.scheduler = _scheduler(cfg, self.optimizer)
         self._no_sync = getattr(self.net, "no_sync", None)
@@ -140,24 +178,33 @@ class Engine:
         opt = None if "optimizer" in conf else _optimizer(self.cfg, model.parameters())
         sched = None if "scheduler" in conf or opt is None else _scheduler(self.cfg, opt)
         self.ds_engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=LossOf(model), model_parameters=model.parameters(), optimizer=opt, lr_scheduler=sched, config=conf)
+            model=LossOf(model, self.summed), model_parameters=model.parameters(), optimizer=opt, lr_scheduler=sched,
+            config=conf)
 
-    def loss(self, x, y, last_micro: bool):
-        """Forward and backward of one micro-batch (gradients averaged over the micro-batches of a step; DDP's
-        all-reduce only after the last one)."""
+    def loss(self, x, y, last_micro: bool, n_global=None):
+        """Forward and backward of one micro-batch; DDP's all-reduce only after the last one. Returns the
+        micro-batch's summed loss (``data.loss = 'global_tokens'``: back-propagated as loss_sum x dp / N, N the
+        step's valid tokens over every micro-batch and rank, as the engines average gradients over the dp ranks:
+        `token_loss.token_normalized`) or its mean (``'micro_batch_mean'``: mean / micro-batches)."""
+        from course_lib.token_loss import token_normalized
+
+        def scaled(loss):
+            return token_normalized(loss, n_global, grad_divisor=self.dp) if self.summed else loss / self.accum
+
         if self.ds_engine is not None:
             loss = self.ds_engine(x, y)
-            self.ds_engine.backward(loss)                # scaled by 1 / gradient_accumulation_steps
+            self.ds_engine.backward(scaled(loss) * self.accum)   # DeepSpeed divides by gradient_accumulation_steps
             self.ds_engine.step()                        # DeepSpeed steps its optimizer on the last micro-batch
             return loss
         quiet = self._no_sync is not None and not last_micro
         with self._no_sync() if quiet else contextlib.nullcontext():
             loss = self.net(x, y)
-            (loss / self.accum).backward()
+            scaled(loss).backward()
         return loss
 
-    def step(self) -> float:
-        """Clip, step; returns the global gradient norm before clipping."""
+    def step(self, lr_multiplier: float = 1.0) -> float:
+        """Clip, step; returns the global gradient norm before clipping. ``lr_multiplier``: this one update uses
+        the learning rate times it (``[fault] kind = "lr_jump"``; the schedule sets the next step's rate anew)."""
         if self.ds_engine is not None:                   # the step happened with the last micro-batch
             norm = self.ds_engine.get_global_grad_norm()
             return float(norm) if norm is not None else float("nan")
@@ -167,6 +214,9 @@ class Engine:
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = clipping.clip_model_grad_norm_(params, max_norm) if max_norm > 0 else \
             clipping.model_grad_norm(params)
+        if lr_multiplier != 1.0:
+            for group in self.optimizer.param_groups:
+                group["lr"] *= lr_multiplier
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -178,24 +228,34 @@ class Engine:
             return float(self.ds_engine.get_lr()[0])
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def save(self, folder: Path, step: int) -> None:
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the learning rate from now on (the schedule's base rates too: saved with the scheduler)."""
+        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+
+    def save(self, folder: Path, step: int, data_position: int, extra: dict) -> None:
         from course_lib.parallel import dist_checkpoint as dcp
         if self.ds_engine is not None:
-            dcp.save_deepspeed(self.ds_engine, folder, step=step, data_position=step, seed=self.cfg.job.seed)
+            dcp.save_deepspeed(self.ds_engine, folder, step=step, data_position=data_position,
+                               seed=self.cfg.job.seed, extra=extra)
         else:
             dcp.save(dcp.step_path(folder, step), model=self.model, optimizer=self.optimizer,
-                     scheduler=self.scheduler, step=step, data_position=step, seed=self.cfg.job.seed)
+                     scheduler=self.scheduler, step=step, data_position=data_position, seed=self.cfg.job.seed,
+                     extra=extra)
 
-    def resume(self, folder: Path) -> int:
-        """Load the newest checkpoint in ``folder``; the step to continue from (0: none)."""
+    def load(self, path: Path):
+        """Load one checkpoint (DDP, FSDP2); its `dist_checkpoint.TrainState`."""
+        from course_lib.parallel import dist_checkpoint as dcp
+        return dcp.load(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+
+    def resume(self, folder: Path):
+        """Load the newest checkpoint in ``folder``: its `dist_checkpoint.TrainState`, or None where there is none."""
         from course_lib.parallel import dist_checkpoint as dcp
         if self.ds_engine is not None:
-            state = dcp.load_deepspeed(self.ds_engine, folder)
-            return state.step if state is not None else 0
+            return dcp.load_deepspeed(self.ds_engine, folder)
         path = dcp.latest(folder)
-        if path is None:
-            return 0
-        return dcp.load(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler).step
+        return self.load(path) if path is not None else None
 
 
 def deepspeed_settings(cfg, layout: dict) -> dict:
@@ -262,53 +322,140 @@ def memory_fraction(device) -> float:
     return psutil.Process().memory_info().rss / (psutil.virtual_memory().total / ranks)
 
 
+class SpikeWatch:
+    """The two detectors of ``[spikes]`` (`spikes.SpikeDetector`), on the loss and on the gradient norm: a step is a
+    spike when either value is. Both are fed the values all-reduced over the ranks, the same on every rank, so every
+    rank takes the same decision with no extra collective."""
+
+    def __init__(self, cfg):
+        from course_lib.spikes import SpikeDetector
+
+        s = cfg.spikes
+        self.detectors = {m: SpikeDetector(s.window, s.warmup, s.z) for m in ("loss", "grad_norm")}
+
+    def judge(self, step: int, position: int, values: dict) -> dict | None:
+        """The spike event of this step, or None."""
+        hit = {m: d.update(values[m]) for m, d in self.detectors.items()}
+        if not any(hit.values()):
+            return None
+        event = {"step": step, "data_position": position, "metric": "+".join(m for m, h in hit.items() if h)}
+        for m, d in self.detectors.items():
+            event[m], event[f"z_{m}"] = values[m], _json_number(d.last_z)
+        return event
+
+    def state_dict(self) -> dict:
+        return {m: d.state_dict() for m, d in self.detectors.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for m, d in self.detectors.items():
+            d.load_state_dict(state[m])
+
+
+def _json_number(x: float):
+    """A float for JSON: inf and nan as strings (json.dumps would write Infinity, which is not JSON)."""
+    import math
+    return x if math.isfinite(x) else str(x)
+
+
+def _rewind_target(folder: Path, last_step: int) -> Path | None:
+    """The newest complete checkpoint in ``folder`` taken after at most ``last_step`` steps."""
+    found = []
+    for p in folder.glob("step_*"):
+        if p.is_dir() and p.name[5:].isdigit() and int(p.name[5:]) <= last_step:
+            found.append((int(p.name[5:]), p))
+    return max(found)[1] if found else None
+
+
+def _drop_newer(folder: Path, step: int) -> None:
+    """Delete the checkpoints taken after ``step`` (rank 0): they belong to the history a rewind threw away, and a
+    restarted job must not resume from them."""
+    import shutil
+
+    for p in folder.glob("step_*"):
+        if p.is_dir() and p.name[5:].isdigit() and int(p.name[5:]) > step:
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def train(cfg, layout: dict) -> dict:
     """Run (or resume) the configured training on every rank; rank 0 returns and writes the run's record."""
     import torch.distributed as dist
 
     from course_lib import alerts, monitor
     from course_lib import dist as cdist
-    from course_lib.data import get_batch
+    from course_lib.token_loss import global_valid_tokens
+    from course_lib.watchdog import Heartbeat
 
     rank, world, device = dist.get_rank(), dist.get_world_size(), cdist.device()
     out = cfg.out_dir
     ckpt = out / cfg.checkpoint.folder
     engine = Engine(cfg, layout, device)
-    start = engine.resume(ckpt) if cfg.checkpoint.interval else 0
-    if start == 0:
-        torch.manual_seed(cfg.job.seed * 1000 + rank)   # dropout masks differ per rank; a resume restored its RNG
-    tokens = _tokens(cfg, cfg.job.seed)
+    loader = _loader(cfg)
+    watch = SpikeWatch(cfg) if cfg.spikes.detect else None
+    beat = Heartbeat(out / "heartbeat", rank) if cfg.watchdog.timeout_s else (lambda step, phase="start": None)
+    beat(-1, "start")
+    state = engine.resume(ckpt) if cfg.checkpoint.interval else None
+    start, rewinds = (state.step, state.extra.get("rewinds", 0)) if state is not None else (0, 0)
+    if state is None:                                   # every generator (torch, random, numpy) from the seed and
+        from course_lib.parallel.dist_checkpoint import reseed      # the rank: two runs of a config draw the same
+        reseed(cfg.job.seed, 0, rank)                   # numbers, dropout masks differ per rank; a resume restores them
+    else:
+        _restore(state, loader, watch)
     mcfg = cfg.model.config()
     dp_rank, dp, micro = rank // layout["tp"], layout["dp"], cfg.data.micro_batch
+    summed = cfg.data.loss == "global_tokens"
     writer = monitor.MetricsWriter(out / "tb", enabled=rank == 0 and cfg.logging.tensorboard)
     rules = alerts.AlertEngine(cfg.logging.rules()) if rank == 0 and cfg.logging.alerts else None
     step_clock = cfg.logging.alert_seconds_per_step
-    record = _previous_record(out) if rank == 0 and start else {"losses": {}, "alerts": [], "resumed_from": []}
+    record = _previous_record(out) if rank == 0 and start else _new_record()
     if start:
         record["resumed_from"].append(start)
     failures = record.setdefault("failures", [])        # the alert clock at each restart: one failed rank each
     failures += [start * step_clock if step_clock else time.time()] * max(0, _restart_count() - len(failures))
     flops_per_step = 6 * mcfg.num_params() * cfg.data.global_batch * mcfg.seq_len
     bar = _progress(rank, start, cfg.schedule.steps)
-    for step in range(start, cfg.schedule.steps):
+    jumped = False                                      # an lr_jump hits the first pass of its step only
+    step = start
+    while step < cfg.schedule.steps:
+        beat(step, "start")
         t0 = time.perf_counter()
         lr = engine.lr()                                # the rate this step's update uses
-        x_all, y_all = get_batch(tokens, cfg.data.global_batch, mcfg.seq_len, step, dp_rank, dp, cfg.job.seed)
+        position = loader.position                      # the global batch this step reads
+        x_all, y_all = loader.next(dp_rank, dp)
+        if cfg.fault.kind == "spike" and position == cfg.fault.step and _restart_count() == 0:
+            y_all = _poisoned(y_all, mcfg.vocab_size)
+        batches = [(x_all[m * micro:(m + 1) * micro].to(device), y_all[m * micro:(m + 1) * micro].to(device))
+                   for m in range(layout["accum"])]
+        n_global = global_valid_tokens([y for _, y in batches]) if summed else None    # one all-reduce
         losses = []
-        for m in range(layout["accum"]):
-            x, y = x_all[m * micro:(m + 1) * micro].to(device), y_all[m * micro:(m + 1) * micro].to(device)
-            losses.append(engine.loss(x, y, last_micro=m == layout["accum"] - 1).detach())
+        for m, (x, y) in enumerate(batches):
+            losses.append(engine.loss(x, y, last_micro=m == layout["accum"] - 1, n_global=n_global).detach())
             if cfg.fault.kind == "nan" and rank == cfg.fault.rank and step >= cfg.fault.step:
                 losses[-1] = losses[-1] * float("inf")
         inject_fault(cfg, rank, step)
-        norm = engine.step()
+        jump = cfg.fault.kind == "lr_jump" and step == cfg.fault.step and not jumped and _restart_count() == 0
+        jumped = jumped or jump
+        norm = engine.step(lr_multiplier=cfg.fault.factor if jump else 1.0)
         compute_s = time.perf_counter() - t0
-        loss = torch.stack(losses).mean().reshape(1).to(device)
+        local = torch.stack(losses).sum() if summed else torch.stack(losses).mean()
+        stats = torch.stack([local.double().reshape(()), torch.tensor(norm, dtype=torch.float64)]).to(device)
+        beat(step, "sync")
         t_sync = time.perf_counter()
-        dist.all_reduce(loss)                           # also where every rank waits for the slowest one
+        dist.all_reduce(stats)                          # also where every rank waits for the slowest one
         sync_s = time.perf_counter() - t_sync
         step_s = time.perf_counter() - t0
-        loss = float(loss.item()) / world
+        loss = float(stats[0]) / (float(n_global) if summed else world)
+        event = watch.judge(step, position, {"loss": loss, "grad_norm": float(stats[1]) / world}) \
+            if watch is not None else None
+        if event is not None:
+            back = _recover(cfg, engine, loader, watch, ckpt, event, rewinds, rank, record, loss)
+            if back is not None:                        # rewound: steps back..step are done again on new data
+                rewinds += 1
+                if rank == 0:
+                    (out / "progress.json").write_text(json.dumps(record))
+                step = back
+                if bar is not None:
+                    bar.n = back
+                continue
         if (step + 1) % cfg.logging.interval == 0 or step == cfg.schedule.steps - 1:
             metrics = {"loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": cfg.data.global_batch *
                        mcfg.seq_len / step_s, "throughput": cfg.data.global_batch / step_s,
@@ -325,24 +472,124 @@ def train(cfg, layout: dict) -> dict:
                                              "text": str(alert)})
         if rank == 0:
             record["losses"][str(step)] = loss
+            record["data_positions"][str(step)] = position
         if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
-            engine.save(ckpt, step + 1)
+            beat(step, "save")
+            _save(engine, ckpt, step + 1, loader, watch, rewinds)
             if rank == 0:                               # what a resumed run continues: losses and alerts so far
                 (out / "progress.json").write_text(json.dumps(record))
                 _keep_newest(ckpt, cfg.checkpoint.keep)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+        step += 1
     writer.close()
     if bar is not None:
         bar.close()
     if rank == 0:
         record.update(config=cfg.to_dict(), world_size=world, layout=layout, restarts=_restart_count(),
-                      final_params=_params_digest(engine))
+                      final_params=_params_digest(engine), eval_loss=_eval_loss(cfg, engine, loader.tokens, device))
         (out / "result.json").write_text(json.dumps(record, indent=1))
     else:
         _params_digest(engine)                          # a collective under FSDP2: every rank takes part
+        _eval_loss(cfg, engine, loader.tokens, device)
     return record
+
+
+EVAL_BATCHES = 4
+
+
+def _eval_loss(cfg, engine, tokens, device) -> float | None:
+    """The final model's mean loss on ``EVAL_BATCHES`` fixed global batches (`data.get_batch` at steps 10^9 + i: the
+    same windows for every run of a seed), so that two runs that read different data are compared on the same
+    tokens. Every rank computes it (FSDP2's forward is collective). None under DeepSpeed (ZeRO-3 shards the model)."""
+    from course_lib.data import get_batch
+    from course_lib.model import lm_loss
+
+    if engine.ds_engine is not None:
+        return None
+    T = cfg.model.config().seq_len
+    total = 0.0
+    with torch.no_grad():
+        for i in range(EVAL_BATCHES):
+            x, y = get_batch(tokens, cfg.data.global_batch, T, 10 ** 9 + i, seed=cfg.job.seed, device=device)
+            out = engine.model(x)
+            total += float(lm_loss(getattr(out, "logits", out), y))
+    return total / EVAL_BATCHES
+
+
+def _save(engine, ckpt: Path, step: int, loader, watch, rewinds: int) -> None:
+    """The checkpoint after ``step`` steps: the engine's state, and in its extras what `_restore` puts back (the
+    loader's position, the rewinds so far, the detectors' windows)."""
+    extra = {"data": loader.state_dict(), "rewinds": rewinds,
+             "spikes": watch.state_dict() if watch is not None else None}
+    engine.save(ckpt, step, loader.position, extra)
+
+
+def _restore(state, loader, watch) -> None:
+    """After loading a checkpoint: the loader's position and the detectors' windows as they were when it was taken
+    (a checkpoint without a loader state, written before the loader had one: its data position)."""
+    data = state.extra.get("data")
+    if data is not None:
+        loader.load_state_dict(data)
+    else:
+        loader.skip(state.data_position - loader.position)
+    if watch is not None and state.extra.get("spikes"):
+        watch.load_state_dict(state.extra["spikes"])
+
+
+def _recover(cfg, engine, loader, watch, ckpt: Path, event: dict, rewinds: int, rank: int, record: dict,
+             loss: float) -> int | None:
+    """PaLM's recovery from a spike at ``event['step']``: load the newest checkpoint at least
+    ``spikes.min_steps_back`` steps before it, move the loader past every batch read since that checkpoint and
+    ``spikes.skip_batches`` more, scale the learning rate by ``spikes.lr_factor``, and save that checkpoint again with
+    the new position (a restart resumes past the skipped batches). Every rank calls it (the decision
+    is the same on all). Returns the step to continue from, or None (no rewind: detect only, no checkpoint, or
+    ``spikes.max_rewinds`` reached); the event goes into ``record['spikes']`` either way."""
+    import torch.distributed as dist
+
+    s, step = cfg.spikes, event["step"]
+    target = _rewind_target(ckpt, step - s.min_steps_back) if s.rewind and rewinds < s.max_rewinds else None
+    print(f"[spike] step {step}: loss {loss:.4f} (z = {event['z_loss']}), grad norm {event['grad_norm']:.3g} "
+          f"(z = {event['z_grad_norm']}) at data position {event['data_position']}", flush=True)
+    if target is None:
+        why = ("spikes.rewind = false" if not s.rewind else f"spikes.max_rewinds = {s.max_rewinds} reached"
+               if rewinds >= s.max_rewinds else "no checkpoint before it")
+        event.update(rewound_to=None, batches_skipped=[], note=why)
+        print(f"[spike] not rewound: {why}", flush=True)
+        if rank == 0:
+            record["spikes"].append(event)
+        return None
+    dist.barrier()                                      # every rank has its verdict before files go away
+    state = engine.load(target)
+    _restore(state, loader, watch)
+    first = loader.position
+    loader.skip(event["data_position"] + 1 + s.skip_batches - first)
+    if s.lr_factor != 1.0:
+        engine.scale_lr(s.lr_factor)
+    dist.barrier()
+    event.update(rewound_to=state.step, batches_skipped=[first, loader.position],
+                 lr=engine.lr(), rewind=rewinds + 1)
+    print(f"[spike] rewound to the checkpoint of step {state.step}, skipped batches {first}..{loader.position - 1} "
+          f"({loader.position - first}), learning rate now {engine.lr():.3g}", flush=True)
+    if rank == 0:
+        _drop_newer(ckpt, state.step)
+        event["discarded_losses"] = {k: record["losses"].pop(k) for k in list(record["losses"])
+                                     if int(k) >= state.step}
+        event["discarded_losses"][str(step)] = _json_number(loss)
+        for k in [k for k in record["data_positions"] if int(k) >= state.step]:
+            del record["data_positions"][k]
+        record["spikes"].append(event)
+    # The decision goes to disk at once: the checkpoint of step s written again, now with the loader past the skipped
+    # batches and the rewind counted. A job restarted before the next checkpoint then resumes exactly where this
+    # process goes on (a fresh process that loads it continues bit-exactly as this one: tests/test_train_faults.py),
+    # instead of reading the bad batches again with its rewinds forgotten.
+    _save(engine, ckpt, state.step, loader, watch, rewinds + 1)
+    return state.step
+
+
+def _new_record() -> dict:
+    return {"losses": {}, "alerts": [], "resumed_from": [], "spikes": [], "data_positions": {}}
 
 
 def _keep_newest(folder: Path, keep: int) -> None:
@@ -357,9 +604,10 @@ def _keep_newest(folder: Path, keep: int) -> None:
 def _previous_record(out: Path) -> dict:
     """The record of the run that wrote the checkpoint we resume from (its losses, alerts, restarts)."""
     path = out / "progress.json"
+    record = _new_record()
     if path.exists():
-        return json.loads(path.read_text())
-    return {"losses": {}, "alerts": [], "resumed_from": []}
+        record.update(json.loads(path.read_text()))
+    return record
 
 
 def _params_digest(engine) -> dict:
@@ -392,9 +640,12 @@ def check(config: str | Path, nprocs: int, overrides: dict | None = None):
     layout = validate_world(cfg, nprocs)
     if cfg.parallelism.engine == "deepspeed":
         deepspeed_settings(cfg, layout)
+    from course_lib.config import ConfigError
     if cfg.fault.kind and cfg.fault.rank >= nprocs:
-        from course_lib.config import ConfigError
         raise ConfigError(f"{cfg.source}: fault.rank: {cfg.fault.rank} but the run has {nprocs} ranks")
+    if cfg.fault.kind == "lr_jump" and cfg.parallelism.engine == "deepspeed":
+        raise ConfigError(f"{cfg.source}: fault.kind: 'lr_jump' changes the learning rate of one update of a DDP or "
+                          f"FSDP2 run; DeepSpeed steps inside its engine: use engine 'ddp' or 'fsdp2'")
     return cfg, layout
 
 
@@ -402,14 +653,56 @@ def launch(config: str | Path, nprocs: int, overrides: dict | None = None, *, ma
            timeout_s: float = 600.0, stream: bool = True, on_poll=None):
     """Validate, then run ``python -m course_lib.train --config CONFIG`` under torchrun on ``nprocs`` ranks (from a
     notebook or a test). Returns (`launch.RunResult`, the record rank 0 wrote). ``on_poll`` as in
-    `launch.run_script` (lesson 09 follows the metrics file with it)."""
+    `launch.run_script` (lesson 09 follows the metrics file with it).
+
+    With ``watchdog.timeout_s`` set, this process watches the ranks' heartbeats (`course_lib.watchdog`) every
+    ``watchdog.poll_s``: a rank silent for longer is named (rank, step, seconds: printed, and in the record under
+    ``hangs``) and stopped with SIGABRT (its Python stack goes to its log); torchrun then stops the others and, while
+    ``max_restarts`` allows, starts them all again from the newest checkpoint. With no restart left the run fails
+    with `watchdog.HangError` naming the rank; no process is left behind (`launch.run_script` kills the tree)."""
     from course_lib import launch as launcher
+    from course_lib.watchdog import HangError, Watchdog
 
     cfg, _ = check(config, nprocs, overrides)
     args = ["--config", str(config)] + [f"--set={k}={json.dumps(v)}" for k, v in (overrides or {}).items()]
-    result = launcher.run_script(Path(__file__), nprocs, args, timeout_s=timeout_s, stream=stream,
-                                 max_restarts=max_restarts, on_poll=on_poll)
-    return result, json.loads((cfg.out_dir / "result.json").read_text())
+    hangs: list[dict] = []
+    poll = on_poll
+    if cfg.watchdog.timeout_s:
+        import shutil
+
+        shutil.rmtree(cfg.out_dir / "heartbeat", ignore_errors=True)   # an earlier run's beats are not this one's
+        dog = Watchdog(cfg.out_dir / "heartbeat", nprocs, cfg.watchdog.timeout_s)
+        due = [0.0]
+
+        def poll() -> None:
+            if on_poll is not None:
+                on_poll()
+            if time.monotonic() < due[0]:
+                return
+            due[0] = time.monotonic() + cfg.watchdog.poll_s
+            stall = dog.poll()
+            if stall is None:
+                return
+            print(f"{stall}; stopping rank {stall.rank} (SIGABRT: its stack goes to its log)"
+                  + ("; torchrun restarts the job from its checkpoint" if len(hangs) < max_restarts else ""),
+                  flush=True)
+            hangs.append(stall.to_dict())
+            if stall.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(stall.pid, signal.SIGABRT)
+
+    try:
+        result = launcher.run_script(Path(__file__), nprocs, args, timeout_s=timeout_s, stream=stream,
+                                     max_restarts=max_restarts, on_poll=poll)
+    except launcher.DistributedRunError as exc:
+        if not hangs:
+            raise
+        raise HangError(hangs[-1], exc) from None
+    record = json.loads((cfg.out_dir / "result.json").read_text())
+    if cfg.watchdog.timeout_s:
+        record["hangs"] = hangs
+        (cfg.out_dir / "result.json").write_text(json.dumps(record, indent=1))
+    return result, record
 
 
 def _overrides(pairs: list[str]) -> dict:
@@ -429,7 +722,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a field (value in JSON: 40, 1e-3, true, \"ddp\")")
     parser.add_argument("--check", action="store_true", help="validate the config and exit")
-    parser.add_argument("--nprocs", type=int, default=None, help="with --check: the number of ranks")
+    parser.add_argument("--nprocs", type=int, default=None,
+                        help="the number of ranks: with --check, to validate for; else, outside torchrun, start "
+                             "torchrun on that many ranks (with the watchdog of [watchdog])")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="with --nprocs: how often torchrun starts every rank again after one failed or hung")
     args = parser.parse_args(argv)
     from course_lib.config import ConfigError
 
@@ -442,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         print(f"{cfg.source}: valid for {world} ranks: {layout}")
         return 0
+    if args.nprocs and "RANK" not in os.environ:         # the launching process: torchrun under our watchdog
+        return _launch_from_command_line(args, _overrides(args.set))
     import torch.distributed as dist
 
     from course_lib import dist as cdist
@@ -461,6 +760,26 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg, layout)
     finally:
         dist.destroy_process_group()
+    return 0
+
+
+def _launch_from_command_line(args, overrides: dict) -> int:
+    """``python -m course_lib.train --config X --nprocs N [--max-restarts R]``: `launch` from a shell."""
+    from course_lib import launch as launcher
+    from course_lib.dist import pick_backend
+    from course_lib.hardware import hardware_label
+    from course_lib.watchdog import HangError
+
+    print(f"[train] {args.nprocs} ranks, {hardware_label(pick_backend(args.nprocs, announce=False))}", flush=True)
+    try:
+        result, record = launch(args.config, args.nprocs, overrides, max_restarts=args.max_restarts)
+    except (launcher.DistributedRunError, HangError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    last = max(record["losses"], key=int)
+    print(f"[train] done: step {last} loss {record['losses'][last]:.4f}; restarts {record['restarts']} (resumed "
+          f"from {record['resumed_from']}); spikes {[e['step'] for e in record['spikes']]}; hangs "
+          f"{[(h['rank'], h['step']) for h in record.get('hangs', [])]}; wall {result.wall_s:.1f} s", flush=True)
     return 0
 
 

@@ -13,7 +13,10 @@ Sections and what they hold (defaults in the dataclasses below):
 - ``[job]``: name, seed, out_dir (default ``runs/train/<name>``).
 - ``[model]``: family ('course-gpt' or 'hf-gpt2': transformers' GPT2LMHeadModel built from the same shape), preset
   (`course_lib.config.PRESETS`, CPU-sized ones), optional shape overrides, dropout, activation_checkpointing.
-- ``[data]``: source ('corpus': bytes of the offline text corpus, 'random'), global_batch, micro_batch (per rank).
+- ``[data]``: source ('corpus': bytes of the offline text corpus, 'random'), global_batch, micro_batch (per rank),
+  pad_fraction (up to this fraction of each sequence is padding: variable-length sequences), loss ('global_tokens':
+  the summed loss over the global number of valid tokens, torchtitan's PR 2206; 'micro_batch_mean': each
+  micro-batch's mean averaged, what weighs tokens unequally once sequences are padded).
 - ``[optimizer]``: name ('adamw', 'sgd'), lr (the peak), betas, eps, weight_decay.
 - ``[schedule]``: name ('warmup_cosine', 'warmup_constant', 'constant'), warmup_steps, steps (total), min_lr.
 - ``[parallelism]``: engine ('ddp', 'fsdp2', 'deepspeed'), dp (-1: what is left), tp, pp.
@@ -23,7 +26,17 @@ Sections and what they hold (defaults in the dataclasses below):
 - ``[logging]``: interval, tensorboard, alerts; alert_seconds_per_step (0: the rules' durations run on the wall
   clock; N: on a clock that advances N seconds per step, so that "for 10 minutes" means 600 / N steps whatever the
   machine's speed), alert_thresholds (per rule name, e.g. ``{throughput_low = 1.0}``).
-- ``[fault]``: an injected fault for the lesson and the tests (kind, rank, step), first attempt only.
+- ``[fault]``: an injected fault for the lesson and the tests (kind, rank, step, seconds, factor), first attempt
+  only: 'spike' poisons the global batch at data position ``step`` (its targets scrambled on every rank), 'lr_jump'
+  multiplies the learning rate of the update of step ``step`` by ``factor`` (first pass only), 'hang' stops rank
+  ``rank`` at step ``step`` without dying.
+- ``[spikes]``: loss-spike detection and PaLM's recovery (`course_lib.spikes`): detect, window, warmup, z (the
+  z-score detector on the loss and the gradient norm); rewind (go back to the newest checkpoint at least
+  ``min_steps_back`` steps before the spike, skip the batches read since it and ``skip_batches`` more), lr_factor
+  (the learning rate after each rewind is multiplied by it), max_rewinds.
+- ``[watchdog]``: timeout_s (0: off; a rank without progress for this long is named and stopped, and with
+  ``--max-restarts`` the job resumes from its checkpoint: `course_lib.watchdog`), poll_s, step_seconds (the longest
+  a healthy step takes on this machine, a checkpoint save included, measured: a timeout shorter is refused).
 - ``[deepspeed]``: config (a JSON file, relative to the TOML) or an inline ``[deepspeed.inline]`` table.
 """
 
@@ -46,7 +59,8 @@ else:                                                  # pragma: no cover - Pyth
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "parse_config", "validate_world", "FAULT_KINDS"]
 
-FAULT_KINDS = ("sigkill", "exit", "exception", "segfault", "nan", "slow", "hang")
+FAULT_KINDS = ("sigkill", "exit", "exception", "segfault", "nan", "slow", "hang", "spike", "lr_jump")
+LOSS_MODES = ("global_tokens", "micro_batch_mean")
 
 
 def _check(ok: bool, where: str, message: str) -> None:
@@ -110,11 +124,17 @@ class Data:
     source: str = "corpus"
     global_batch: int = 8
     micro_batch: int = 2
+    pad_fraction: float = 0.0
+    loss: str = "global_tokens"
 
     def validate(self) -> None:
         _choice("data.source", self.source, ("corpus", "random"))
         _int("data.global_batch", self.global_batch, 1)
         _int("data.micro_batch", self.micro_batch, 1)
+        _number("data.pad_fraction", self.pad_fraction)
+        _check(self.pad_fraction < 1.0, "data.pad_fraction",
+               f"{self.pad_fraction!r} must be below 1 (0.5: sequences keep at least half their tokens)")
+        _choice("data.loss", self.loss, LOSS_MODES)
 
 
 @dataclass(frozen=True)
@@ -231,6 +251,7 @@ class Fault:
     rank: int = 0
     step: int = 0
     seconds: float = 0.0
+    factor: float = 30.0
 
     def validate(self) -> None:
         if self.kind:
@@ -238,6 +259,56 @@ class Fault:
             _int("fault.rank", self.rank)
             _int("fault.step", self.step)
             _number("fault.seconds", self.seconds)
+            _number("fault.factor", self.factor)
+            _check(self.kind != "lr_jump" or self.factor > 1, "fault.factor",
+                   f"{self.factor!r}: an lr_jump multiplies the learning rate by factor > 1, e.g. 30")
+
+    def spike_step(self) -> int | None:
+        """The step whose loss the injected fault makes spike (None: no such fault): the poisoned batch's own step
+        ('spike', while no batch was skipped), or the step after the jumped update ('lr_jump')."""
+        return {"spike": self.step, "lr_jump": self.step + 1}.get(self.kind)
+
+
+@dataclass(frozen=True)
+class Spikes:
+    detect: bool = False
+    window: int = 20
+    warmup: int = 10
+    z: float = 6.0
+    rewind: bool = True
+    min_steps_back: int = 1
+    skip_batches: int = 0
+    lr_factor: float = 1.0
+    max_rewinds: int = 3
+
+    def validate(self) -> None:
+        for name in ("detect", "rewind"):
+            _check(isinstance(getattr(self, name), bool), f"spikes.{name}", f"{getattr(self, name)!r} must be "
+                   f"true/false")
+        _int("spikes.window", self.window, 2)
+        _int("spikes.warmup", self.warmup, 2)
+        _check(self.warmup <= self.window, "spikes.warmup",
+               f"{self.warmup} exceeds spikes.window = {self.window}: use warmup <= window")
+        _check(isinstance(self.z, (int, float)) and not isinstance(self.z, bool) and self.z > 0, "spikes.z",
+               f"{self.z!r} must be a positive number of standard deviations, e.g. 6")
+        _int("spikes.min_steps_back", self.min_steps_back, 1)
+        _int("spikes.skip_batches", self.skip_batches)
+        _check(isinstance(self.lr_factor, (int, float)) and 0 < self.lr_factor <= 1, "spikes.lr_factor",
+               f"{self.lr_factor!r} must be in (0, 1]: 1 keeps the learning rate, 0.5 halves it after each rewind")
+        _int("spikes.max_rewinds", self.max_rewinds)
+
+
+@dataclass(frozen=True)
+class Watchdog:
+    timeout_s: float = 0.0
+    poll_s: float = 0.5
+    step_seconds: float = 0.0
+
+    def validate(self) -> None:
+        _number("watchdog.timeout_s", self.timeout_s)
+        _number("watchdog.poll_s", self.poll_s)
+        _check(self.poll_s > 0, "watchdog.poll_s", f"{self.poll_s!r} must be > 0 seconds, e.g. 0.5")
+        _number("watchdog.step_seconds", self.step_seconds)
 
 
 @dataclass(frozen=True)
@@ -255,6 +326,8 @@ class RunConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     logging: Logging = field(default_factory=Logging)
     fault: Fault = field(default_factory=Fault)
+    spikes: Spikes = field(default_factory=Spikes)
+    watchdog: Watchdog = field(default_factory=Watchdog)
     deepspeed: dict = field(default_factory=dict)      # the DeepSpeed JSON config, as DeepSpeed reads it
     source: str = ""                                   # the TOML file it came from
 
@@ -268,7 +341,7 @@ class RunConfig:
 
 _SECTIONS = {"job": Job, "model": Model, "data": Data, "optimizer": Optimizer, "schedule": Schedule,
              "parallelism": Parallelism, "precision": Precision, "clipping": Clipping, "checkpoint": Checkpoint,
-             "logging": Logging, "fault": Fault, "deepspeed": dict}
+             "logging": Logging, "fault": Fault, "spikes": Spikes, "watchdog": Watchdog, "deepspeed": dict}
 
 
 def parse_config(raw: dict, source: str = "<dict>", base: Path | None = None) -> RunConfig:
@@ -296,7 +369,48 @@ def parse_config(raw: dict, source: str = "<dict>", base: Path | None = None) ->
                 raise ConfigError(f"{source}: {exc}") from None
     _check(cfg.parallelism.engine != "deepspeed" or bool(cfg.deepspeed), f"{source}: [deepspeed]",
            "engine = 'deepspeed' needs a [deepspeed] section: config = 'FILE.json' or an [deepspeed.inline] table")
+    _check_run(cfg)
     return cfg
+
+
+def _check_run(cfg: RunConfig) -> None:
+    """What no single section can see: a fault the run never reaches, a spike with no checkpoint to go back to, a
+    watchdog that would call a healthy step a hang."""
+    where, f, s, c, steps = cfg.source, cfg.fault, cfg.spikes, cfg.checkpoint, cfg.schedule.steps
+    if f.kind:
+        last = steps - 2 if f.kind == "lr_jump" else steps - 1       # an lr_jump shows in the step after it
+        _check(f.step <= last, f"{where}: fault.step",
+               f"{f.step} is past the run's end (schedule.steps = {steps}{', and an lr_jump shows one step later' if f.kind == 'lr_jump' else ''}): "
+               f"use a step <= {last} or more steps")
+    rewinds = s.detect and s.rewind
+    if rewinds:
+        _check(cfg.parallelism.engine != "deepspeed", f"{where}: spikes.rewind",
+               "the script rewinds DDP and FSDP2 runs; under engine 'deepspeed' set spikes.rewind = false (detect only)")
+        _check(c.interval > 0, f"{where}: spikes.rewind",
+               "a rewind goes back to a checkpoint and checkpoint.interval = 0 takes none: set checkpoint.interval "
+               "(e.g. 10) or spikes.rewind = false")
+        _check((c.keep - 1) * c.interval >= s.min_steps_back, f"{where}: checkpoint.keep",
+               f"{c.keep} checkpoints every {c.interval} steps may not hold one spikes.min_steps_back = "
+               f"{s.min_steps_back} steps before a spike: keep at least {1 + -(-s.min_steps_back // c.interval)}")
+    spike = f.spike_step()
+    if spike is not None and s.detect:
+        _check(spike >= s.warmup, f"{where}: fault.step",
+               f"the injected {f.kind} shows at step {spike}, before the detector's warm-up of spikes.warmup = "
+               f"{s.warmup} steps: it would not be judged; inject at step >= {s.warmup - (f.kind == 'lr_jump')} "
+               f"or lower spikes.warmup")
+        if rewinds:
+            _check(c.interval <= spike - s.min_steps_back, f"{where}: checkpoint.interval",
+                   f"the first checkpoint (step {c.interval}) comes after step {spike} - spikes.min_steps_back = "
+                   f"{spike - s.min_steps_back}: there is no checkpoint to rewind to before the spike; use "
+                   f"checkpoint.interval <= {max(spike - s.min_steps_back, 0)} or inject later")
+    w = cfg.watchdog
+    if w.timeout_s:
+        _check(w.step_seconds > 0, f"{where}: watchdog.step_seconds",
+               "declare how long a healthy step takes here (result.json's step_s, plus a checkpoint save), so that a "
+               "timeout shorter than a step is refused: e.g. step_seconds = 0.5")
+        _check(w.timeout_s > w.step_seconds, f"{where}: watchdog.timeout_s",
+               f"{w.timeout_s} s is not longer than a step (watchdog.step_seconds = {w.step_seconds} s): every "
+               f"healthy rank would be called hung; use a timeout of several steps, e.g. {4 * w.step_seconds:g}")
 
 
 def _deepspeed_json(section: dict, source: str, base: Path) -> dict:

@@ -31,9 +31,10 @@ PKG = ROOT / "course_lib"
 LAYERS = {
     "base": ["_pool_worker", "_script", "_worker", "alerts", "catalog", "collective_counter", "comparisons", "config",
              "data", "dist", "gpus", "hardware", "lab_settings", "launch", "measure", "memory_stats", "model",
-             "monitor", "nccl_rules", "one_process", "pool", "procs", "reference", "theory.", "units"],
+             "monitor", "nccl_rules", "one_process", "pool", "procs", "reference", "spikes", "theory.", "token_loss",
+             "units"],
     "techniques": ["parallel."],
-    "training": ["train", "train_config"],
+    "training": ["train", "train_config", "watchdog"],
     "grading": ["grading.", "glossary"],
     "lessons": ["lessons."],
     "tools": ["gpu_check", "lab_report", "browser"],

@@ -46,7 +46,9 @@ EXPECTED = {
            "q3": (2 + 2 + 12 / 12) * 175e9 / (8 * 16) / 1e9},
     "09": {"q1": schedules.warmup_cosine(301_000, peak_lr=6e-4, warmup_steps=2000, total_steps=600_000, min_lr=6e-5),
            "q2": practice.young_daly_interval(120, practice.job_mtbf(50_000 * 3600, 16384)) / 60,
-           "q3": min(1.0, 1.0 / (0.5 * math.sqrt(8) + 1e-6))},     # max_norm / the norm summed over 8 replicas
+           "q3": min(1.0, 1.0 / (0.5 * math.sqrt(8) + 1e-6)),      # max_norm / the norm summed over 8 replicas
+           "q4": 2.40 + 6 * 0.05,                                    # the z-score's threshold: mean + z std
+           "q5": (2 * 100 + 3 * 300 + 2 * 200 + 3 * 400) / 1000 - (2 + 3 + 2 + 3) / 4},   # tokens vs micro-batches
     "10": {"q1": theory.context.layer_comm("ring", 1, 131072, 4096, 8, 2)[("forward", "send")]["bytes"] / 1e9,
            "q2": theory.context.work_imbalance(4096, 4, "contiguous"), "q3": 8},        # 8 K/V heads of Llama-3-8B
     "11": {"q1": theory.experts.uniform_layer_comm(4096, 8, 7168, 8, dtype_bytes=2)["payload"] / 1e6,

@@ -1,16 +1,19 @@
 """Lesson 09's graded checks (course_lib/lessons/l09_training/checks.py): the course's own references pass, and each
 typical wrong answer fails with a one-line message naming the check that caught it. The solution notebook's answers
 are graded in tests/test_grading.py; the right answers here come from the course's modules (schedules, clipping,
-alerts, dist_checkpoint), so a check that disagreed with them would show up here. One 4-rank launch per global-norm
+alerts, dist_checkpoint, spikes), so a check that disagreed with them would show up here. One 4-rank launch per global-norm
 variant (warm ranks outside grading), everything else in this process.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import math
 import os
 import random
 import sys
+from pathlib import Path
 
 import cloudpickle
 import numpy as np
@@ -23,7 +26,9 @@ from course_lib.grading.check import CheckFailed
 from course_lib.lessons.l09_training import checks
 from course_lib.parallel import clipping, schedules
 from course_lib.parallel import dist_checkpoint as ckpt
+from course_lib.spikes import SpikeDetector
 
+ROOT = Path(__file__).resolve().parents[1]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the clip functions below travel to the ranks by value
 
 
@@ -353,3 +358,142 @@ def test_resume_check_compares_the_cuda_generators_where_cuda_is_present(cuda_pr
     msg = _fails("the CUDA generators' random state after load_checkpoint", checks.check_resume, save_without_cuda,
                  _load)
     assert "torch.cuda" in msg
+
+
+# ------------------------------------------------------------------------------ 09-spike-detector
+
+class SpikeAnswer:
+    """The exercise's answer written as a learner would (the solution notebook's), not the course's class."""
+
+    def __init__(self, window=20, warmup=10, z=6.0):
+        self.window, self.warmup, self.z = window, warmup, z
+        self.values = collections.deque(maxlen=window)
+
+    def std(self, mean):
+        return math.sqrt(sum((v - mean) ** 2 for v in self.values) / (len(self.values) - 1))
+
+    def is_spike(self, value):
+        if not math.isfinite(value):
+            return True
+        n = len(self.values)
+        if n < self.warmup:
+            return False
+        mean = sum(self.values) / n
+        return value - mean > self.z * self.std(mean)
+
+    def update(self, value):
+        spike = self.is_spike(value)
+        if not spike:
+            self.values.append(value)
+        return spike
+
+
+class SpikesEnterWindow(SpikeAnswer):
+    """Every value enters the window, spikes too."""
+
+    def update(self, value):
+        spike = self.is_spike(value)
+        self.values.append(value)
+        return spike
+
+
+class NoWarmup(SpikeAnswer):
+    """A verdict as soon as two values give a standard deviation."""
+
+    def __init__(self, window=20, warmup=10, z=6.0):
+        super().__init__(window, 2, z)
+
+
+class FixedThreshold(SpikeAnswer):
+    """z used as a margin in units of the loss: value > mean + z."""
+
+    def is_spike(self, value):
+        if not math.isfinite(value):
+            return True
+        return len(self.values) >= self.warmup and value > sum(self.values) / len(self.values) + self.z
+
+
+class NanNotSpike(SpikeAnswer):
+    """No test for NaN or inf: a NaN compares false (no spike) and enters the window."""
+
+    def is_spike(self, value):
+        n = len(self.values)
+        if n < self.warmup:
+            return False
+        mean = sum(self.values) / n
+        return value - mean > self.z * self.std(mean)
+
+
+class FrozenStatistics(SpikeAnswer):
+    """The mean and std of the warm-up values, never updated after."""
+
+    def is_spike(self, value):
+        if not math.isfinite(value):
+            return True
+        if len(self.values) < self.warmup:
+            return False
+        if not hasattr(self, "frozen"):
+            mean = sum(self.values) / len(self.values)
+            self.frozen = (mean, self.std(mean))
+        return value - self.frozen[0] > self.z * self.frozen[1]
+
+
+class DefaultSettings(SpikeAnswer):
+    """The arguments ignored: always window 20, warm-up 10, z 6."""
+
+    def __init__(self, window=20, warmup=10, z=6.0):
+        super().__init__()
+
+
+class PopulationStd(SpikeAnswer):
+    """Divides by n instead of n - 1: a decision the check leaves free (no verdict of its streams depends on it)."""
+
+    def std(self, mean):
+        return math.sqrt(sum((v - mean) ** 2 for v in self.values) / len(self.values))
+
+
+def test_spike_answer_passes_and_the_streams_test_something():
+    rows = checks.check_spike_detector(SpikeAnswer)
+    assert len(rows) == len(checks.SPIKE_STREAMS)
+    spikes = {r["stream"].split(":")[0].split(",")[0]: r["spikes"] for r in rows}
+    assert spikes["steady noise"] == [60] and spikes["a ramp"] == []
+    assert spikes["a spike during warm-up (+0.6 at step 5)"] == [40]          # the warm-up gives no verdict
+    assert spikes["two spikes in a row (+0.5 at steps 80 and 81)"] == [80, 81]
+    assert spikes["a NaN during warm-up (step 3)"] == [3, 40, 70] and spikes["other settings"] == [6, 40]
+    # every verdict is clear: a z-score within 25 % of z nowhere, so n or n - 1 in the std decides nothing
+    for name, (window, warmup, z), values in checks.SPIKE_STREAMS:
+        for x in checks._spike_zscores(window, warmup, z, values):
+            assert not 0.75 * z <= x <= 1.25 * z, (name, x)
+    checks.check_spike_detector(PopulationStd)
+    checks.check_spike_detector(SpikeDetector)                 # the course's own, outside grading
+
+
+@pytest.mark.parametrize("wrong, stream, why", [
+    (SpikesEnterWindow, "two spikes in a row", "stayed out of the window"),
+    (NoWarmup, "a spike during warm-up", "fewer than warm-up = 10"),
+    (FixedThreshold, "steady noise", "not in units of the loss"),
+    (NanNotSpike, "a NaN during warm-up", "a NaN or inf loss is a spike"),
+    (FrozenStatistics, "a ramp", "updated at every step"),
+    (DefaultSettings, "other settings", "standard deviations")])
+def test_wrong_spike_detectors_fail_on_the_stream_that_shows_it(wrong, stream, why):
+    msg = _fails(f"stream '{stream}", checks.check_spike_detector, wrong)
+    assert why in msg.split("Hint:")[1], msg
+    assert "expected True, got False" in msg or "expected False, got True" in msg, msg
+
+
+def test_a_spike_detector_that_returns_no_bool_fails():
+    class Silent(SpikeAnswer):
+        def update(self, value):
+            super().update(value)
+    _fails("returns True or False", checks.check_spike_detector, Silent)
+
+
+def test_the_spike_detector_stub_fails_not_implemented():
+    """The student copy's cell (exercises/, generated by `course build`) raises NotImplementedError in the check."""
+    nb = json.loads((ROOT / "exercises" / "09_training_in_practice.ipynb").read_text())
+    src = next("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
+               and "class SpikeDetector" in "".join(c["source"]))
+    scope = {"math": math, "collections": collections}
+    exec(src, scope)
+    with pytest.raises(NotImplementedError):
+        checks.check_spike_detector(scope["SpikeDetector"])

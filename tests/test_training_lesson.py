@@ -104,3 +104,53 @@ def test_under_deepspeed_the_script_hands_clipping_to_deepspeed():
     bare = dataclasses.replace(cfg, deepspeed={k: v for k, v in cfg.deepspeed.items() if k != "gradient_clipping"})
     assert train.deepspeed_settings(bare, layout)["gradient_clipping"] == 0.5
     assert 'conf.setdefault("gradient_clipping", cfg.clipping.max_norm)' in inspect.getsource(train.deepspeed_settings)
+
+
+# ------------------------------------------------------------------------------ 7. when a large run goes wrong
+
+def test_passes_cut_where_the_step_goes_back():
+    recs = _records([0, 1, 2, 3, 2, 3, 4, 4, 5])                       # a rewind to 2, then one to 4
+    got = experiments.passes(recs)
+    assert [[r["step"] for r in p] for p in got] == [[0, 1, 2, 3], [2, 3, 4], [4, 5]]
+    assert experiments.passes([]) == []
+
+
+SPIKE_EVENT = {"step": 14, "data_position": 14, "metric": "loss", "loss": 7.2, "z_loss": 7.16, "grad_norm": 3.5,
+               "z_grad_norm": 3.54, "rewound_to": 12, "batches_skipped": [12, 15], "lr": 2.4e-3}
+
+
+def test_spike_rows_and_table_read_the_scripts_record():
+    unrewound = {k: v for k, v in SPIKE_EVENT.items() if k not in ("rewound_to", "batches_skipped")}
+    rows = experiments.spike_rows({"spikes": [SPIKE_EVENT, {**unrewound, "step": 20}]})
+    assert rows[0]["redone"] == 2 and rows[0]["skipped"] == (12, 15) and rows[0]["rewound_to"] == 12
+    assert rows[1]["redone"] == 0 and rows[1]["skipped"] is None
+    table = report.spike_table(rows).splitlines()
+    assert "step 12" in table[2] and "12..14" in table[2] and "not rewound" in table[3]
+    assert report.spike_table([]) == "no spike detected"
+    assert experiments.final_loss({"losses": {"10": 1.0, "2": 9.0, "9": 3.0}}, last=2) == 2.0   # steps by number
+
+
+def test_stack_dump_takes_the_faulthandler_frames(tmp_path):
+    (tmp_path / "rank1.log").write_text(
+        "step 6 done\nFatal Python error: Aborted\n\nCurrent thread 0x7f (most recent call first):\n"
+        '  File "train.py", line 310 in inject_fault\n  File "train.py", line 432 in train\n\nExtension modules: x\n')
+    dump = experiments.stack_dump(tmp_path, 1)
+    assert dump[0] == "Fatal Python error: Aborted" and dump[-1].endswith("line 432 in train") and len(dump) == 4
+    (tmp_path / "rank0.log").write_text("Traceback: RuntimeError in all_reduce\n")
+    assert experiments.stack_dump(tmp_path, 0) == []
+
+
+def test_loader_resume_restores_the_data_position():
+    cfg = ModelConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=16, name="t")
+    out = experiments.loader_resume(cfg, global_batch=4, before=3, after=2)
+    assert out["same"] and out["fresh_differs"] and out["positions"] == (3, 5)
+    assert (out["state"]["epoch"], out["state"]["batch"]) == (0, 3)
+
+
+def test_token_table_shows_both_averages_against_one_process():
+    out = {"valid": [[26, 14], [11, 17]], "reference": {"losses": [4.15]},
+           "runs": {"tokens": {"losses": [4.15]}, "mean": {"losses": [4.16]}},
+           "loss_err": {"tokens": 1e-7, "mean": 1e-3}, "grad_err": {"tokens": 1e-7, "mean": 0.34}}
+    lines = report.token_table(out).splitlines()
+    assert "[[26, 14], [11, 17]]" in lines[0] and lines[-1].startswith("mean of the micro-batch means")
+    assert "3.4e-01" in lines[-1] and "1.0e-07" in lines[-2]

@@ -1,7 +1,7 @@
 """What the graded exercises of lesson 09 call (solutions/09_training_in_practice.ipynb).
 
 Each ``check_*`` runs the learner's code against the course's reference (`parallel.schedules`, `parallel.clipping`,
-`alerts`, one uninterrupted training run) and raises ``course_lib.grading.check.CheckFailed`` (one line: what,
+`alerts`, one uninterrupted training run, `spikes.SpikeDetector`) and raises ``course_lib.grading.check.CheckFailed`` (one line: what,
 expected, got, a hint) at the first difference. Only `check_global_norm` starts processes (4 gloo ranks, one
 launch); the others run in the notebook's process in well under a second. tests/test_training_checks.py calls them
 on wrong variants.
@@ -33,7 +33,8 @@ from course_lib.parallel import schedules
 from course_lib.reference import reference_for
 
 __all__ = ["SCHEDULE_SETTINGS", "check_schedule", "NORM_CFG", "MAX_NORM", "norm_reference", "check_global_norm",
-           "ALERT_CASES", "alert_reference", "check_alert_rule", "RESUME_CFG", "check_resume"]
+           "ALERT_CASES", "alert_reference", "check_alert_rule", "RESUME_CFG", "check_resume", "SPIKE_STREAMS",
+           "spike_reference", "check_spike_detector"]
 
 
 # ------------------------------------------------------------------------------ 09-schedule
@@ -409,3 +410,111 @@ def check_resume(save_fn: Callable, load_fn: Callable) -> dict:
         shutil.rmtree(root, ignore_errors=True)
     return {"losses": ref_losses, "resumed": tail, "stopped_after": STOP, "files": files, "bytes": size}
 
+
+
+# ------------------------------------------------------------------------------ 09-spike-detector
+
+def _noise(n: int, level: float, sigma: float, seed: int) -> list[float]:
+    """n values of ``level`` + Gaussian noise of ``sigma`` (Python's generator: the same on every platform)."""
+    rng = random.Random(seed)
+    return [level + sigma * rng.gauss(0.0, 1.0) for _ in range(n)]
+
+
+def _with(values: list[float], at: dict[int, float]) -> list[float]:
+    out = list(values)
+    for step, v in at.items():
+        out[step] = v
+    return out
+
+
+def _ramp(n: int, start: float, stop: float, sigma: float, seed: int) -> list[float]:
+    return [start + (stop - start) * i / (n - 1) + e for i, e in enumerate(_noise(n, 0.0, sigma, seed))]
+
+
+_STEADY = _noise(120, 3.0, 0.01, seed=1)
+_WARM = _noise(60, 2.0, 0.01, seed=3)
+_TWICE = _noise(120, 2.5, 0.01, seed=5)
+_NAN = _noise(100, 2.2, 0.01, seed=6)
+_WAVE = [1.0 + 0.02 * math.sin(2.1 * i) for i in range(60)]     # bounded: a short window's z-scores stay small
+SPIKE_STREAMS = (  # (name, (window, warmup, z), values): every step's verdict is compared with the reference's
+    ("steady noise, one spike of +0.3 at step 60 (a loss of 3.0, noise 0.01)", (20, 10, 6.0),
+     _with(_STEADY, {60: _STEADY[60] + 0.3})),
+    ("a ramp: a gradient norm growing from 0.5 to 1.5 over 300 steps (noise 0.02)", (20, 10, 6.0),
+     _ramp(300, 0.5, 1.5, 0.02, seed=2)),
+    ("a spike during warm-up (+0.6 at step 5), another at step 40", (20, 10, 6.0),
+     _with(_WARM, {5: _WARM[5] + 0.6, 40: _WARM[40] + 0.6})),
+    ("two spikes in a row (+0.5 at steps 80 and 81)", (20, 10, 6.0),
+     _with(_TWICE, {80: _TWICE[80] + 0.5, 81: _TWICE[81] + 0.5})),
+    ("a NaN during warm-up (step 3), an inf at step 40, a spike of +0.2 at step 70", (20, 10, 6.0),
+     _with(_NAN, {3: math.nan, 40: math.inf, 70: _NAN[70] + 0.2})),
+    ("other settings: window 8, warm-up 4, z 3; a wave of +-0.02, bumps of +0.06 at steps 6 and 40", (8, 4, 3.0),
+     _with(_WAVE, {6: _WAVE[6] + 0.06, 40: _WAVE[40] + 0.06})),
+)
+
+
+def spike_reference(window: int, warmup: int, z: float, values) -> list[bool]:
+    """The verdict of the course's detector (`course_lib.spikes.SpikeDetector`) at every value."""
+    from course_lib.spikes import SpikeDetector
+
+    det = SpikeDetector(window=window, warmup=warmup, z=z)
+    return [det.update(v) for v in values]
+
+
+def _spike_zscores(window: int, warmup: int, z: float, values) -> list[float]:
+    """The reference's z-score of every value against its window (0 in warm-up, inf when not finite)."""
+    from course_lib.spikes import SpikeDetector
+
+    det, out = SpikeDetector(window=window, warmup=warmup, z=z), []
+    for v in values:
+        det.update(v)
+        out.append(det.last_z)
+    return out
+
+
+def _spike_hint(step: int, values: list[float], want: list[bool], settings: tuple, expected: bool) -> str:
+    """Where to look, from what the reference saw at the first step the learner's verdict differs."""
+    window, warmup, z = settings
+    v = values[step]
+    if not math.isfinite(v):
+        return ("a NaN or inf loss is a spike at any step, warm-up included, and never enters the window "
+                "(the exercise's last bullet)")
+    if any(not math.isfinite(x) for x in values[:step]):
+        return "a non-finite value earlier in the stream must have stayed out of the window (the last bullet)"
+    accepted = sum(not w for w in want[:step])           # values in the reference's window so far (capped below)
+    if not expected and accepted < warmup:
+        return (f"only {accepted} values accepted so far, fewer than warm-up = {warmup}: no verdict yet, the value "
+                f"only fills the window (the warm-up bullet)")
+    if expected and any(want[max(0, step - 3):step]):
+        return ("a spike a few steps earlier must have stayed out of the window, else it widens the band and "
+                "hides this one (the bullet on spikes)")
+    if expected:
+        return ("a spike is measured in standard deviations of the window, not in units of the loss: "
+                f"(value - mean) / std above z, with this stream's window = {window}, warm-up = {warmup}, z = {z:g} "
+                "(the formula above the exercise)")
+    return ("the mean and standard deviation are those of the last `window` accepted values, updated at every "
+            "step; only a z-score above z (upward) is a spike (the formula and the window bullet)")
+
+
+def check_spike_detector(detector_cls: Callable, streams=SPIKE_STREAMS) -> list[dict]:
+    """A fresh ``detector_cls(window=, warmup=, z=)`` per stream; ``update(value)`` must return the verdict of the
+    course's reference (`course_lib.spikes.SpikeDetector`: a z-score over a sliding window of accepted values,
+    sample standard deviation, no verdict before ``warmup`` accepted values, spikes and non-finite values kept out
+    of the window, a non-finite value always a spike) at every step of steady noise, a ramp, a spike during warm-up,
+    two spikes in a row, a NaN and an inf, and other settings. Fails at the first step that differs, naming the
+    stream, the step, the value and the verdicts."""
+    out = []
+    for name, (window, warmup, z), values in streams:
+        want = spike_reference(window, warmup, z, values)
+        zs = _spike_zscores(window, warmup, z, values)
+        det = detector_cls(window=window, warmup=warmup, z=z)
+        for step, v in enumerate(values):
+            got = det.update(v)
+            check_true(f"stream '{name}': update({v:.4g}) at step {step} returns True or False (got {got!r:.40})",
+                       isinstance(got, (bool, np.bool_)), hint="return whether this value is a spike")
+            if bool(got) != want[step]:
+                check_equal(f"stream '{name}', step {step}: is the value {v:.4g} a spike? (its z-score against "
+                            f"the reference's window: {zs[step]:.3g})", bool(got), want[step],
+                            hint=_spike_hint(step, values, want, (window, warmup, z), want[step]))
+        out.append(dict(stream=name, window=window, warmup=warmup, z=z, steps=len(values),
+                        spikes=[s for s, w in enumerate(want) if w]))
+    return out

@@ -6,8 +6,13 @@ global gradient-norm clipping on DP x TP ranks, the training script watched live
     out = run(rank_clip_dp_tp, 4, args=(cfg, x, y, 0.05)).returns                    # DP 2 x TP 2
     result, record, records = watch_training("configs/tiny_ddp.toml", 2, overrides)  # live plot + progress bar
 
+Section 7 (when a large run goes wrong): the script's loss spike, rewound and skipped (`passes`, `spike_rows`),
+and a loss that counts tokens right on DP 2 x accumulation 2 against one process (`token_loss_runs`); the rest of
+that section's experiments are in `large_runs` (instability, async saves, resharding).
+
 The training script itself is `course_lib.train`; its pieces are `parallel.schedules`, `parallel.clipping`,
-`parallel.dist_checkpoint`, `course_lib.monitor` and `course_lib.alerts`.
+`parallel.dist_checkpoint`, `course_lib.monitor`, `course_lib.alerts`, `course_lib.spikes`, `course_lib.watchdog`
+and `course_lib.token_loss`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.distributed as dist
 from course_lib import dist as cdist
 from course_lib.config import ModelConfig
 from course_lib.data import get_batch, shard_batch, text_corpus
+from course_lib.launch import run
 from course_lib.lessons.errors import relative_error
 from course_lib.model import build_model
 from course_lib.parallel import schedules
@@ -35,7 +41,8 @@ RUNS = Path(__file__).resolve().parents[3] / "runs" / "train"
 
 __all__ = ["CONFIGS", "RUNS", "lr_curves", "warmup_runs", "one_process_clip", "dp_tp_gradients", "rank_clip_dp_tp",
            "watch_training",
-           "step_times", "time_lost", "torchrun_failures", "rank_sigkill"]
+           "step_times", "time_lost", "torchrun_failures", "rank_sigkill", "passes", "spike_rows", "final_loss",
+           "stack_dump", "loader_resume", "token_loss_runs"]
 
 
 # ----------------------------------------------------------------------------- 1. schedules
@@ -280,3 +287,131 @@ def rank_sigkill(victim: int) -> int:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.all_reduce(t)                                   # the survivors fail here: their peer is gone
     return dist.get_rank()
+
+
+# ----------------------------------------------------------------------------- 7. when a large run goes wrong
+
+def passes(records: list[dict]) -> list[list[dict]]:
+    """A run's metrics records cut where the step goes back (a rewind after a spike, a restart after a failure):
+    each pass is a list of records with increasing steps, in the order they were written."""
+    out: list[list[dict]] = []
+    for r in records:
+        if not out or r["step"] <= out[-1][-1]["step"]:
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
+def spike_rows(record: dict) -> list[dict]:
+    """The spikes the script saw (`result.json`'s ``spikes``), one row each: the step, which detector fired
+    ('loss' or 'grad_norm'), both values and z-scores, the checkpoint it went back to (None: not rewound), the data
+    positions skipped [first, end), the steps computed again, and the learning rate after it."""
+    rows = []
+    for e in record.get("spikes", []):
+        skipped = e.get("batches_skipped")
+        rows.append({"step": e["step"], "metric": e["metric"], "loss": e["loss"], "z_loss": e["z_loss"],
+                     "grad_norm": e["grad_norm"], "z_grad_norm": e["z_grad_norm"],
+                     "data_position": e.get("data_position"), "rewound_to": e.get("rewound_to"),
+                     "skipped": tuple(skipped) if skipped else None,
+                     "redone": (e["step"] - e["rewound_to"]) if e.get("rewound_to") is not None else 0,
+                     "lr": e.get("lr")})
+    return rows
+
+
+def final_loss(record: dict, last: int = 5) -> float:
+    """The mean training loss of a run's last ``last`` steps (the surviving pass: `result.json`'s ``losses``)."""
+    losses = [record["losses"][k] for k in sorted(record["losses"], key=int)]
+    tail = losses[-last:]
+    return sum(tail) / len(tail)
+
+
+def stack_dump(run_dir: str | Path, rank: int, lines: int = 8) -> list[str]:
+    """The stack Python's faulthandler wrote into rank ``rank``'s log when the watchdog stopped it with SIGABRT
+    (``Fatal Python error: Aborted`` and the frames under it, innermost first): where the rank was stuck, what a
+    flight recorder tells on GPUs. [] when the log holds none."""
+    text = (Path(run_dir) / f"rank{rank}.log").read_text(errors="replace").splitlines()
+    start = next((i for i, line in enumerate(text) if line.startswith("Fatal Python error")), None)
+    if start is None:
+        return []
+    out = [text[start]]
+    for line in text[start + 1:]:
+        if not line.strip():
+            if len(out) > 2:                  # the blank line after the header, then the frames up to the next one
+                break
+            continue
+        out.append(line.rstrip())
+    return out[:lines]
+
+
+def loader_resume(cfg: ModelConfig, global_batch: int = 8, before: int = 5, after: int = 3, seed: int = 0,
+                  pad_fraction: float = 0.0) -> dict:
+    """The training script's loader (`data.WindowLoader`) read for ``before`` batches, its ``state_dict`` taken
+    (what a checkpoint stores), ``after`` more read; a new loader (a restarted process) restores the state and
+    reads ``after`` batches. Returns {'state', 'same' (every restored batch equal, bit for bit), 'positions'
+    (before, after), 'fresh_differs' (a loader that starts over reads other batches)}."""
+    from course_lib.data import WindowLoader
+
+    tokens = text_corpus(2_000_000).long() % cfg.vocab_size
+
+    def loader():
+        return WindowLoader(tokens, cfg.seq_len, global_batch, seed=seed, pad_fraction=pad_fraction)
+
+    first = loader()
+    for _ in range(before):
+        first.next()
+    state = dict(first.state_dict())
+    want = [first.next() for _ in range(after)]
+    resumed = loader()
+    resumed.load_state_dict(state)
+    got = [resumed.next() for _ in range(after)]
+    fresh = loader().next()
+    return {"state": state, "positions": (before, resumed.position),
+            "same": all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got)),
+            "fresh_differs": not torch.equal(fresh[0], want[0][0])}
+
+
+def _rank_token_losses(cfg: ModelConfig, batches, accum: int, lr: float, rank_train) -> dict:
+    """On each rank: ``rank_train`` (lesson 02's bucketed DDP) with `accum` micro-batches per step, once per loss
+    normalisation ('tokens': summed loss / global valid tokens; 'mean': each micro-batch's mean / accum, DDP's mean
+    over ranks), plus this rank's valid tokens per micro-batch of the first batch."""
+    from course_lib.token_loss import IGNORE_INDEX
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    y = shard_batch(batches[0][1], r, n)                                 # (B/n, T): this rank's rows
+    valid = [int((m != IGNORE_INDEX).sum()) for m in y.chunk(accum)]
+    out = {norm: rank_train(cfg, batches, mode="bucketed", lr=lr, bucket_cap_mb=0.01, accum_steps=accum,
+                            loss_norm=norm) for norm in ("tokens", "mean")}
+    return {**out, "valid": valid}
+
+
+def token_loss_runs(cfg: ModelConfig, batches, rank_train, accum: int = 2, nprocs: int = 2, lr: float = 0.1,
+                    timeout_s: float = 240.0) -> dict:
+    """DP ``nprocs`` x gradient accumulation ``accum`` on right-padded ``batches`` (targets -100 past each row's
+    length, so micro-batches and ranks hold different numbers of valid tokens: lesson 02's `padded_batches`),
+    trained with SGD by lesson 02's ``rank_train`` (passed in: lessons share code only through modules below them)
+    twice: dividing the summed loss by the global number of valid tokens, and averaging each micro-batch's mean;
+    against one process on the same global batches (`one_process.train_reference`: its LM loss is the mean over the
+    valid tokens). Returns {'valid' (valid tokens [[per micro-batch] per rank] of the first batch), 'reference'
+    (one process), 'runs' {'tokens', 'mean': rank 0's}, 'loss_err' and 'grad_err' {'tokens', 'mean'} (largest
+    relative difference from one process over the ranks: losses of every step, first-step gradients), 'formula'
+    (the first step's mean of micro-batch means, from one process's model on each micro-batch), 'backend'}."""
+    from course_lib.model import lm_loss
+    from course_lib.one_process import train_reference
+
+    ref = train_reference(cfg, batches, lr=lr)
+    res = run(_rank_token_losses, nprocs, args=(cfg, batches, accum, lr, rank_train), backend="gloo", stream=False,
+              timeout_s=timeout_s)
+    model = build_model(cfg, 0)                          # the first step's micro-batches through one process's model
+    x, y = batches[0]
+    with torch.no_grad():
+        means = [lm_loss(model(xm), ym).item() for xr, yr in zip(x.chunk(nprocs), y.chunk(nprocs))
+                 for xm, ym in zip(xr.chunk(accum), yr.chunk(accum))]
+    err: dict = {"loss_err": {}, "grad_err": {}}
+    for norm in ("tokens", "mean"):
+        err["loss_err"][norm] = max(abs(a - b) / abs(b) for out in res.returns
+                                    for a, b in zip(out[norm]["losses"], ref["losses"]))
+        err["grad_err"][norm] = max(relative_error(out[norm]["first_grads"], ref["first_grads"])
+                                    for out in res.returns)
+    return {"valid": [out["valid"] for out in res.returns], "reference": ref,
+            "runs": {norm: res.returns[0][norm] for norm in ("tokens", "mean")}, **err,
+            "formula": sum(means) / len(means), "backend": res.backend}

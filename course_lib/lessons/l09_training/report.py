@@ -3,6 +3,8 @@
     lr_figure(lr_curves(...), hw); warmup_figure(warmup_runs(...), hw)
     print(rules_table(SEED_RULES)); waste_figure(checkpoint_s=60, mtbf_s=job_mtbf(...))
     print(cost_table(rows)); interval_widget()            # ipywidgets: course_lib.theory.practice
+    print(spike_table(spike_rows(record))); spike_figure(clean, spiked, spike_rows(record), hw)   # section 7.1
+    save_figure(async_save_timing(), hw); print(token_table(token_loss_runs(cfg)))                # 7.4, 7.5
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from course_lib.lessons.display import COLORS, plain_log_ticks
 from course_lib.theory import practice
 
 __all__ = ["max_relative_difference", "loss_spike", "lr_figure", "warmup_figure", "clip_table", "rules_table",
-           "waste_curve", "waste_figure", "cost_table", "interval_widget"]
+           "waste_curve", "waste_figure", "cost_table", "interval_widget", "spike_table", "spike_figure",
+           "save_figure", "token_table"]
 
 
 def max_relative_difference(actual: list[float], expected: list[float]) -> float:
@@ -195,3 +198,91 @@ def interval_widget():
         widget.observe(update, names="value")
     update()
     return w.VBox([w.HBox([gpus, mtbf]), w.HBox([delta, restart]), out])
+
+
+# ----------------------------------------------------------------------------- 7. when a large run goes wrong
+
+def spike_table(rows: list[dict]) -> str:
+    """One line per spike the script saw (`experiments.spike_rows`): step, detector, values and z-scores, the
+    checkpoint it rewound to, the batches skipped, the steps computed again, the learning rate after."""
+    if not rows:
+        return "no spike detected"
+    head = (f"{'step':>4s} {'fired on':>9s} {'loss':>7s} {'z(loss)':>8s} {'grad norm':>9s} {'z(grad)':>8s} "
+            f"{'rewound to':>10s} {'batches skipped':>16s} {'redone':>6s} {'lr after':>9s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        skipped = f"{r['skipped'][0]}..{r['skipped'][1] - 1}" if r["skipped"] else "-"
+        back = f"step {r['rewound_to']}" if r["rewound_to"] is not None else "not rewound"
+        lr = f"{r['lr']:.3g}" if r["lr"] is not None else "-"
+        lines.append(f"{r['step']:4d} {r['metric']:>9s} {r['loss']:7.3f} {r['z_loss']:8.1f} {r['grad_norm']:9.3g} "
+                     f"{r['z_grad_norm']:8.1f} {back:>10s} {skipped:>16s} {r['redone']:6d} {lr:>9s}")
+    return "\n".join(lines)
+
+
+def spike_figure(clean: list[dict], spiked_passes: list[list[dict]], rows: list[dict], hardware: str,
+                 unrecovered: list[dict] | None = None, metrics: tuple[str, str] = ("loss", "grad_norm")):
+    """Loss (left) and gradient norm (right) per step: the clean run; the spiked run's steps kept (solid) and those
+    a rewind threw away (dashed: a pass's steps from where the next pass starts again); the spikes (crosses, at
+    the values the detectors judged); the stretches computed again (shaded); optionally the same spike left in
+    (``unrecovered``)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, metric in zip(axes, metrics):
+        ax.plot([r["step"] for r in clean], [r[metric] for r in clean], color="0.6", lw=2.5, alpha=0.7,
+                label="clean run")
+        if unrecovered is not None:
+            ax.plot([r["step"] for r in unrecovered], [r[metric] for r in unrecovered], color=COLORS["activations"],
+                    lw=1, ls=":", label="the spike left in (no rewind)")
+        labels = {"kept": "spiked run, steps kept", "thrown": "steps thrown away by a rewind"}
+        for i, p in enumerate(spiked_passes):
+            restart = spiked_passes[i + 1][0]["step"] if i + 1 < len(spiked_passes) else math.inf
+            for part, style in (("kept", dict(color="C0", lw=1.4)), ("thrown", dict(color="C1", lw=1.0, ls="--"))):
+                pts = [r for r in p if (r["step"] < restart) == (part == "kept")]
+                if pts:
+                    ax.plot([r["step"] for r in pts], [r[metric] for r in pts], label=labels.pop(part, None), **style)
+        for k, r in enumerate(rows):
+            ax.plot([r["step"]], [r[metric]], "x", color="C3", ms=9, mew=2, label="spike detected" if k == 0 else None)
+            if r["rewound_to"] is not None:
+                ax.axvspan(r["rewound_to"] - 0.5, r["step"] + 0.5, color="C3", alpha=0.08)
+        ax.set_xlabel("step")
+        ax.set_ylabel({"loss": "training loss (nats)", "grad_norm": "global gradient norm"}.get(metric, metric))
+        ax.set_yscale("log" if metric == "grad_norm" else "linear")
+        ax.legend(fontsize=7)
+    axes[0].set_title("a poisoned batch: detected, rewound, skipped", fontsize=9)
+    axes[1].set_title("shaded: steps computed again after a rewind", fontsize=9)
+    fig.suptitle(hardware, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def save_figure(timing: dict, hardware: str):
+    """How long the training loop waits for a checkpoint: a synchronous DCP save, an asynchronous one (blocked:
+    until `save` returns; total: until the files are published), medians of `large_runs.async_save_timing`."""
+    import matplotlib.pyplot as plt
+
+    labels = ["sync save\n(loop blocked)", "async save\n(loop blocked)", "async save\n(until written)"]
+    values = [timing["sync_s"], timing["async_blocked_s"], timing["async_total_s"]]
+    fig, ax = plt.subplots(figsize=(6, 3))
+    bars = ax.bar(labels, [v * 1e3 for v in values], color=[COLORS["activations"], COLORS["params"], "0.7"])
+    for b, v in zip(bars, values):
+        ax.annotate(f"{v * 1e3:.0f} ms", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                    va="bottom", fontsize=8)
+    ax.set_ylabel("ms (median)")
+    ax.set_title(f"checkpoint of {timing['params'] / 1e6:.1f}M parameters + AdamW, {timing['state_bytes'] / 1e6:.0f} "
+                 f"MB per rank, {timing['nprocs']} ranks ({hardware})", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def token_table(out: dict) -> str:
+    """The two ways of averaging a padded batch's loss against one process (`experiments.token_loss_runs`)."""
+    ref = out["reference"]["losses"][0]
+    head = f"{'loss of the global batch':52s} {'step 0':>9s} {'loss vs 1 process':>17s} {'gradients vs 1 process':>22s}"
+    lines = [f"valid tokens per micro-batch, [rank][micro-batch]: {out['valid']} (of the first step)", head,
+             "-" * len(head), f"{'one process: sum over valid tokens / their number':52s} {ref:9.5f} {'-':>17s} {'-':>22s}"]
+    for norm, what in (("tokens", "summed loss / global valid tokens (ours)"),
+                       ("mean", "mean of the micro-batch means, DDP mean over ranks")):
+        lines.append(f"{what:52s} {out['runs'][norm]['losses'][0]:9.5f} {out['loss_err'][norm]:17.1e} "
+                     f"{out['grad_err'][norm]:22.1e}")
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""Loss-spike detection from the run's own statistics (lesson 09, "when a large run goes wrong").
+
+    det = SpikeDetector(window=20, warmup=10, z=6.0)
+    for step, loss in enumerate(losses):
+        if det.update(loss):
+            ...                     # rewind to the last checkpoint before it, skip the batches that caused it
+
+A fixed threshold ("loss above 10") misses a spike from 2.1 to 3.5 late in a run and fires on every step early on.
+The detector judges a value against the values it accepted last: its z-score
+
+    z = (value - mean(window)) / std(window),      window = the last `window` accepted values,
+
+above `z` is a spike. Before `warmup` accepted values it gives no verdict (False), a spike is not added to the
+window (one bad value would widen the band and hide the next), and a non-finite value (inf, NaN) is always a
+spike. The training script (`course_lib.train`) runs two, on the loss and on the global gradient norm, both fed
+the values all-reduced over the ranks, so that every rank takes the same decision; their state goes into each
+checkpoint (`state_dict`), so a resumed run judges as the uninterrupted one would.
+
+What large runs do on a spike (Chowdhery et al. 2022, PaLM, section 5.1): "we re-started training from a
+checkpoint roughly 100 steps before the spike started, and skipped roughly 200–500 data batches, which cover the
+batches that were seen before and during the spike."
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from course_lib.reference import reference_for
+
+__all__ = ["SpikeDetector"]
+
+
+def _positive_int(name: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"SpikeDetector: {name}={value!r} must be an int >= {low}")
+    return value
+
+
+@reference_for("09-spike-detector")
+class SpikeDetector:
+    """A z-score spike detector over a sliding window of accepted values.
+
+    window: how many accepted values the mean and standard deviation are taken over (>= 2).
+    warmup: accepted values needed before any verdict (2 <= warmup; at most `window`: the statistics of a
+        full window are what it waits for, at least).
+    z: how many standard deviations above the mean a spike is (> 0). Only upward moves count: a loss that
+        falls fast is good news.
+    """
+
+    def __init__(self, window: int = 20, warmup: int = 10, z: float = 6.0):
+        self.window = _positive_int("window", window, 2)
+        self.warmup = _positive_int("warmup", warmup, 2)
+        if self.warmup > self.window:
+            raise ValueError(f"SpikeDetector: warmup={warmup} exceeds window={window}: the window holds at most "
+                             f"{window} values; use warmup <= window")
+        if isinstance(z, bool) or not isinstance(z, (int, float)) or not math.isfinite(z) or z <= 0:
+            raise ValueError(f"SpikeDetector: z={z!r} must be a positive number of standard deviations, e.g. 6.0")
+        self.z = float(z)
+        self.values: deque[float] = deque(maxlen=self.window)
+        self.last_z = 0.0           # the z-score of the last value judged (inf for a non-finite one, 0 in warm-up)
+
+    def zscore(self, value: float) -> float:
+        """The z-score of ``value`` against the window (0.0 before `warmup` values; inf when not finite)."""
+        if not math.isfinite(value):
+            return math.inf
+        n = len(self.values)
+        if n < self.warmup:
+            return 0.0
+        mean = sum(self.values) / n
+        std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / (n - 1))     # sample standard deviation
+        if std == 0.0:
+            return 0.0 if value <= mean else math.inf
+        return (value - mean) / std
+
+    def update(self, value: float) -> bool:
+        """Judge ``value``; True when it is a spike (then it is left out of the window)."""
+        value = float(value)
+        self.last_z = self.zscore(value)
+        spike = self.last_z > self.z
+        if not spike:
+            self.values.append(value)
+        return spike
+
+    def state_dict(self) -> dict:
+        """JSON-ready state: the settings and the accepted values (a resumed run continues the same window)."""
+        return {"window": self.window, "warmup": self.warmup, "z": self.z, "values": list(self.values)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["window"], state["warmup"], state["z"]) != (self.window, self.warmup, self.z):
+            raise ValueError(f"SpikeDetector: the state was saved with window={state['window']}, "
+                             f"warmup={state['warmup']}, z={state['z']}, this detector has window={self.window}, "
+                             f"warmup={self.warmup}, z={self.z}: build it with the same settings")
+        self.values = deque((float(v) for v in state["values"]), maxlen=self.window)
+
+    def __repr__(self) -> str:
+        return f"SpikeDetector(window={self.window}, warmup={self.warmup}, z={self.z}, accepted={len(self.values)})"
