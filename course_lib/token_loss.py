@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from course_lib import dist as cdist
+
 __all__ = ["IGNORE_INDEX", "loss_sum_and_tokens", "global_token_count", "global_valid_tokens", "token_normalized",
            "mask_padding"]
 
@@ -59,10 +61,12 @@ def loss_sum_and_tokens(logits: torch.Tensor, targets: torch.Tensor,
 
 def global_token_count(n_local: torch.Tensor, group=None) -> torch.Tensor:
     """The sum over the ranks of `group` of each rank's count (all-reduce SUM) when torch.distributed is
-    initialised; the count itself otherwise. Returns a new tensor: `n_local` is left as it was."""
-    n = torch.as_tensor(n_local).detach().clone()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
+    initialised; the count itself otherwise. Returns a new tensor: `n_local` is left as it was. Distributed, it lives
+    on the rank's device (`course_lib.dist.device()`: under NCCL a collective's tensor must be on the GPU)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.as_tensor(n_local).detach().clone()
+    n = torch.as_tensor(n_local).detach().to(cdist.device(), copy=True)
+    dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
     return n
 
 

@@ -27,7 +27,7 @@ When a large run goes wrong (lesson 09, second part):
   all-reduced (the same numbers, hence the same decision, on every rank); on a spike the run goes back to the newest
   checkpoint at least ``min_steps_back`` steps before it, skips the batches read since that checkpoint (and
   ``skip_batches`` more), optionally lowers the learning rate (PaLM, Chowdhery et al. 2022, section 5.1), and records
-  it under ``spikes`` in the record;
+  it under ``spikes`` in the record (`course_lib.recovery`);
 - a hang: each rank writes a heartbeat (`course_lib.watchdog`) and `launch` watches them: a rank silent for
   ``watchdog.timeout_s`` is named and stopped, and with ``max_restarts`` the job resumes from its checkpoint.
 
@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from course_lib import recovery
 
 __all__ = ["main", "train", "launch", "check"]
 
@@ -322,60 +324,6 @@ def memory_fraction(device) -> float:
     return psutil.Process().memory_info().rss / (psutil.virtual_memory().total / ranks)
 
 
-class SpikeWatch:
-    """The two detectors of ``[spikes]`` (`spikes.SpikeDetector`), on the loss and on the gradient norm: a step is a
-    spike when either value is. Both are fed the values all-reduced over the ranks, the same on every rank, so every
-    rank takes the same decision with no extra collective."""
-
-    def __init__(self, cfg):
-        from course_lib.spikes import SpikeDetector
-
-        s = cfg.spikes
-        self.detectors = {m: SpikeDetector(s.window, s.warmup, s.z) for m in ("loss", "grad_norm")}
-
-    def judge(self, step: int, position: int, values: dict) -> dict | None:
-        """The spike event of this step, or None."""
-        hit = {m: d.update(values[m]) for m, d in self.detectors.items()}
-        if not any(hit.values()):
-            return None
-        event = {"step": step, "data_position": position, "metric": "+".join(m for m, h in hit.items() if h)}
-        for m, d in self.detectors.items():
-            event[m], event[f"z_{m}"] = values[m], _json_number(d.last_z)
-        return event
-
-    def state_dict(self) -> dict:
-        return {m: d.state_dict() for m, d in self.detectors.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        for m, d in self.detectors.items():
-            d.load_state_dict(state[m])
-
-
-def _json_number(x: float):
-    """A float for JSON: inf and nan as strings (json.dumps would write Infinity, which is not JSON)."""
-    import math
-    return x if math.isfinite(x) else str(x)
-
-
-def _rewind_target(folder: Path, last_step: int) -> Path | None:
-    """The newest complete checkpoint in ``folder`` taken after at most ``last_step`` steps."""
-    found = []
-    for p in folder.glob("step_*"):
-        if p.is_dir() and p.name[5:].isdigit() and int(p.name[5:]) <= last_step:
-            found.append((int(p.name[5:]), p))
-    return max(found)[1] if found else None
-
-
-def _drop_newer(folder: Path, step: int) -> None:
-    """Delete the checkpoints taken after ``step`` (rank 0): they belong to the history a rewind threw away, and a
-    restarted job must not resume from them."""
-    import shutil
-
-    for p in folder.glob("step_*"):
-        if p.is_dir() and p.name[5:].isdigit() and int(p.name[5:]) > step:
-            shutil.rmtree(p, ignore_errors=True)
-
-
 def train(cfg, layout: dict) -> dict:
     """Run (or resume) the configured training on every rank; rank 0 returns and writes the run's record."""
     import torch.distributed as dist
@@ -390,7 +338,7 @@ def train(cfg, layout: dict) -> dict:
     ckpt = out / cfg.checkpoint.folder
     engine = Engine(cfg, layout, device)
     loader = _loader(cfg)
-    watch = SpikeWatch(cfg) if cfg.spikes.detect else None
+    watch = recovery.SpikeWatch(cfg) if cfg.spikes.detect else None
     beat = Heartbeat(out / "heartbeat", rank) if cfg.watchdog.timeout_s else (lambda step, phase="start": None)
     beat(-1, "start")
     state = engine.resume(ckpt) if cfg.checkpoint.interval else None
@@ -399,7 +347,7 @@ def train(cfg, layout: dict) -> dict:
         from course_lib.parallel.dist_checkpoint import reseed      # the rank: two runs of a config draw the same
         reseed(cfg.job.seed, 0, rank)                   # numbers, dropout masks differ per rank; a resume restores them
     else:
-        _restore(state, loader, watch)
+        recovery.restore_state(state, loader, watch)
     mcfg = cfg.model.config()
     dp_rank, dp, micro = rank // layout["tp"], layout["dp"], cfg.data.micro_batch
     summed = cfg.data.loss == "global_tokens"
@@ -447,7 +395,7 @@ def train(cfg, layout: dict) -> dict:
         event = watch.judge(step, position, {"loss": loss, "grad_norm": float(stats[1]) / world}) \
             if watch is not None else None
         if event is not None:
-            back = _recover(cfg, engine, loader, watch, ckpt, event, rewinds, rank, record, loss)
+            back = recovery.recover(cfg, engine, loader, watch, ckpt, event, rewinds, rank, record, loss)
             if back is not None:                        # rewound: steps back..step are done again on new data
                 rewinds += 1
                 if rank == 0:
@@ -475,7 +423,7 @@ def train(cfg, layout: dict) -> dict:
             record["data_positions"][str(step)] = position
         if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
             beat(step, "save")
-            _save(engine, ckpt, step + 1, loader, watch, rewinds)
+            recovery.save_state(engine, ckpt, step + 1, loader, watch, rewinds)
             if rank == 0:                               # what a resumed run continues: losses and alerts so far
                 (out / "progress.json").write_text(json.dumps(record))
                 _keep_newest(ckpt, cfg.checkpoint.keep)
@@ -516,76 +464,6 @@ def _eval_loss(cfg, engine, tokens, device) -> float | None:
             out = engine.model(x)
             total += float(lm_loss(getattr(out, "logits", out), y))
     return total / EVAL_BATCHES
-
-
-def _save(engine, ckpt: Path, step: int, loader, watch, rewinds: int) -> None:
-    """The checkpoint after ``step`` steps: the engine's state, and in its extras what `_restore` puts back (the
-    loader's position, the rewinds so far, the detectors' windows)."""
-    extra = {"data": loader.state_dict(), "rewinds": rewinds,
-             "spikes": watch.state_dict() if watch is not None else None}
-    engine.save(ckpt, step, loader.position, extra)
-
-
-def _restore(state, loader, watch) -> None:
-    """After loading a checkpoint: the loader's position and the detectors' windows as they were when it was taken
-    (a checkpoint without a loader state, written before the loader had one: its data position)."""
-    data = state.extra.get("data")
-    if data is not None:
-        loader.load_state_dict(data)
-    else:
-        loader.skip(state.data_position - loader.position)
-    if watch is not None and state.extra.get("spikes"):
-        watch.load_state_dict(state.extra["spikes"])
-
-
-def _recover(cfg, engine, loader, watch, ckpt: Path, event: dict, rewinds: int, rank: int, record: dict,
-             loss: float) -> int | None:
-    """PaLM's recovery from a spike at ``event['step']``: load the newest checkpoint at least
-    ``spikes.min_steps_back`` steps before it, move the loader past every batch read since that checkpoint and
-    ``spikes.skip_batches`` more, scale the learning rate by ``spikes.lr_factor``, and save that checkpoint again with
-    the new position (a restart resumes past the skipped batches). Every rank calls it (the decision
-    is the same on all). Returns the step to continue from, or None (no rewind: detect only, no checkpoint, or
-    ``spikes.max_rewinds`` reached); the event goes into ``record['spikes']`` either way."""
-    import torch.distributed as dist
-
-    s, step = cfg.spikes, event["step"]
-    target = _rewind_target(ckpt, step - s.min_steps_back) if s.rewind and rewinds < s.max_rewinds else None
-    print(f"[spike] step {step}: loss {loss:.4f} (z = {event['z_loss']}), grad norm {event['grad_norm']:.3g} "
-          f"(z = {event['z_grad_norm']}) at data position {event['data_position']}", flush=True)
-    if target is None:
-        why = ("spikes.rewind = false" if not s.rewind else f"spikes.max_rewinds = {s.max_rewinds} reached"
-               if rewinds >= s.max_rewinds else "no checkpoint before it")
-        event.update(rewound_to=None, batches_skipped=[], note=why)
-        print(f"[spike] not rewound: {why}", flush=True)
-        if rank == 0:
-            record["spikes"].append(event)
-        return None
-    dist.barrier()                                      # every rank has its verdict before files go away
-    state = engine.load(target)
-    _restore(state, loader, watch)
-    first = loader.position
-    loader.skip(event["data_position"] + 1 + s.skip_batches - first)
-    if s.lr_factor != 1.0:
-        engine.scale_lr(s.lr_factor)
-    dist.barrier()
-    event.update(rewound_to=state.step, batches_skipped=[first, loader.position],
-                 lr=engine.lr(), rewind=rewinds + 1)
-    print(f"[spike] rewound to the checkpoint of step {state.step}, skipped batches {first}..{loader.position - 1} "
-          f"({loader.position - first}), learning rate now {engine.lr():.3g}", flush=True)
-    if rank == 0:
-        _drop_newer(ckpt, state.step)
-        event["discarded_losses"] = {k: record["losses"].pop(k) for k in list(record["losses"])
-                                     if int(k) >= state.step}
-        event["discarded_losses"][str(step)] = _json_number(loss)
-        for k in [k for k in record["data_positions"] if int(k) >= state.step]:
-            del record["data_positions"][k]
-        record["spikes"].append(event)
-    # The decision goes to disk at once: the checkpoint of step s written again, now with the loader past the skipped
-    # batches and the rewind counted. A job restarted before the next checkpoint then resumes exactly where this
-    # process goes on (a fresh process that loads it continues bit-exactly as this one: tests/test_train_faults.py),
-    # instead of reading the bad batches again with its rewinds forgotten.
-    _save(engine, ckpt, state.step, loader, watch, rewinds + 1)
-    return state.step
 
 
 def _new_record() -> dict:

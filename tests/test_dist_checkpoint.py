@@ -112,25 +112,13 @@ def _ds_train(engine, batches, start: int, stop: int) -> list[float]:
 
 
 def _save_timings(root: str, repeats: int = 3) -> dict:
-    """Seconds the loop is blocked by a save of BIG (params + AdamW state), synchronous vs async."""
-    model, net, opt, sched = _build(BIG)
-    _train(net, opt, sched, random_batches(BIG, 4, 1), 0, 1)
-    group = dist.new_group(backend="gloo")             # made once, as a training loop would
-    sync, blocked, total = [], [], []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        ckpt.save(ckpt.step_path(f"{root}/timing_sync", i), model=model, optimizer=opt, step=i, data_position=i)
-        sync.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        handle = ckpt.save(ckpt.step_path(f"{root}/timing_async", i), model=model, optimizer=opt, step=i,
-                           data_position=i, async_save=True, process_group=group)
-        blocked.append(time.perf_counter() - t0)
-        handle.result()
-        total.append(time.perf_counter() - t0)
-    files = ckpt.latest(f"{root}/timing_sync").iterdir()
-    return {"sync_s": statistics.median(sync), "async_blocked_s": statistics.median(blocked),
-            "async_total_s": statistics.median(total), "bytes": sum(f.stat().st_size for f in files),
-            "params": sum(p.numel() for p in model.parameters())}
+    """Seconds the loop is blocked by a save of BIG (params + AdamW state), synchronous vs async: lesson 09's
+    measurement (`large_runs.rank_save_timing`), medians of `repeats`."""
+    from course_lib.lessons.l09_training.large_runs import rank_save_timing
+
+    t = rank_save_timing(BIG, f"{root}/timing", repeats)     # its own folders: root's sync/, async/ are for resumes
+    return {**{k: statistics.median(t[k]) for k in ("sync_s", "async_blocked_s", "async_total_s")},
+            "bytes": t["file_bytes"], "params": t["params"]}
 
 
 def _first_halves(root: str, batches) -> dict:

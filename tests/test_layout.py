@@ -34,7 +34,7 @@ LAYERS = {
              "monitor", "nccl_rules", "one_process", "pool", "procs", "reference", "spikes", "theory.", "token_loss",
              "units"],
     "techniques": ["parallel."],
-    "training": ["train", "train_config", "watchdog"],
+    "training": ["recovery", "train", "train_config", "watchdog"],
     "grading": ["grading.", "glossary"],
     "lessons": ["lessons."],
     "tools": ["gpu_check", "lab_report", "browser"],

@@ -225,7 +225,8 @@ def test_a_hung_rank_is_named_stopped_and_the_job_resumes_from_its_checkpoint(tm
                   **{"watchdog.timeout_s": timeout, "watchdog.poll_s": poll})
     (hang,) = rec["hangs"]
     assert (hang["rank"], hang["step"], hang["waiting"]) == (1, 7, [0])
-    assert timeout < hang["seconds"] <= timeout + poll + 1.0, hang         # bounded by the setting + the poll
+    # bounded by the setting + the poll (+ 2 s for a loaded CI machine whose watching process waits for a core)
+    assert timeout < hang["seconds"] <= timeout + poll + 2.0, hang
     assert "watchdog: rank 1 stopped making progress at step 7" in capsys.readouterr().out
     assert rec["restarts"] == 1 and rec["resumed_from"] == [6] and list(rec["losses"]) == [str(s) for s in range(10)]
     assert all(math.isfinite(v) for v in rec["losses"].values())

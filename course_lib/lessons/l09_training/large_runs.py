@@ -164,7 +164,7 @@ def instability_figure(runs: dict, hardware: str):
 
 # ----------------------------------------------------------------------------- 2. checkpoints
 
-def _rank_save_timing(cfg: ModelConfig, root: str, repeats: int) -> dict:
+def rank_save_timing(cfg: ModelConfig, root: str, repeats: int) -> dict:
     """On every rank: a DDP model with its AdamW state, saved `repeats` times synchronously and asynchronously,
     interleaved. Blocked = from the call until it returns (the loop could go on); total = until the async write
     is published (`handle.result()`)."""
@@ -207,7 +207,7 @@ def async_save_timing(cfg: ModelConfig | None = None, nprocs: int = 2, repeats: 
     cfg = cfg or SAVE_CFG
     root = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="async_save_"))
     try:
-        res = run(_rank_save_timing, nprocs, args=(cfg, str(root), repeats), backend="gloo", stream=False,
+        res = run(rank_save_timing, nprocs, args=(cfg, str(root), repeats), backend="gloo", stream=False,
                   timeout_s=timeout_s).returns[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
