@@ -91,10 +91,13 @@ def graded(tmp_path_factory):
                                      dict(cell_timeout=30, total_timeout=300))
 
     def cli_class():
-        """The CLI, once: the whole `wrong/` folder graded as one class, with JSON and CSV."""
+        """The CLI, once: the whole `wrong/` folder graded as one class, with JSON and CSV. One submission at a time
+        (`--jobs 1`): the 3 threads below already share 2 cores, and the hostile notebooks' 10-s cell timeouts
+        must only fire on their own loops (with the CLI's default of 2 jobs, one CI run timed out a cell of
+        hostile/exits.ipynb that passes in 38 s alone). tests/test_grading_scale.py tests --jobs 2."""
         out_json, out_csv = tmp / "class.json", tmp / "class.csv"
         proc = subprocess.run([sys.executable, "-m", "course_lib.grading.commands", "grade", str(FIX / "wrong"),
-                               "--solutions", str(FX_SOLUTIONS), "--cell-timeout", "20",
+                               "--solutions", str(FX_SOLUTIONS), "--cell-timeout", "20", "--jobs", "1",
                                "--json", str(out_json), "--csv", str(out_csv)],
                               capture_output=True, text=True, timeout=900, cwd=ROOT)
         return proc, out_json, out_csv
