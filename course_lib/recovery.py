@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from course_lib.parallel import dist_checkpoint
+
 __all__ = ["SpikeWatch", "json_number", "rewind_target", "drop_newer", "save_state", "restore_state", "recover"]
 
 
@@ -52,11 +54,8 @@ def json_number(x: float):
 
 def rewind_target(folder: Path, last_step: int) -> Path | None:
     """The newest complete checkpoint in ``folder`` taken after at most ``last_step`` steps."""
-    found = []
-    for p in folder.glob("step_*"):
-        if p.is_dir() and p.name[5:].isdigit() and int(p.name[5:]) <= last_step:
-            found.append((int(p.name[5:]), p))
-    return max(found)[1] if found else None
+    found = [p for step, p in dist_checkpoint.checkpoints(folder) if step <= last_step]
+    return found[-1] if found else None
 
 
 def drop_newer(folder: Path, step: int) -> None:
@@ -64,8 +63,8 @@ def drop_newer(folder: Path, step: int) -> None:
     restarted job must not resume from them."""
     import shutil
 
-    for p in folder.glob("step_*"):
-        if p.is_dir() and p.name[5:].isdigit() and int(p.name[5:]) > step:
+    for s, p in dist_checkpoint.checkpoints(folder):
+        if s > step:
             shutil.rmtree(p, ignore_errors=True)
 
 

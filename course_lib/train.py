@@ -474,8 +474,9 @@ def _keep_newest(folder: Path, keep: int) -> None:
     """Delete all but the newest ``keep`` complete checkpoints (rank 0, after the save's closing barrier)."""
     import shutil
 
-    done = sorted(p for p in folder.glob("step_*") if p.is_dir())
-    for old in done[:-keep]:
+    from course_lib.parallel import dist_checkpoint
+
+    for _, old in dist_checkpoint.checkpoints(folder)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 

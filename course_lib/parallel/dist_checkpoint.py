@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
                                                      set_state_dict)
 from course_lib.reference import reference_for
 
-__all__ = ["TrainState", "AsyncCheckpoint", "step_path", "latest", "save", "load", "save_deepspeed",
+__all__ = ["TrainState", "AsyncCheckpoint", "step_path", "checkpoints", "latest", "save", "load", "save_deepspeed",
            "load_deepspeed", "rng_state", "set_rng_state", "reseed"]
 
 _STEP = re.compile(r"step_(\d+)")
@@ -90,14 +90,19 @@ def step_path(folder, step: int) -> Path:
     return Path(folder) / f"step_{step:06d}"
 
 
-def latest(folder) -> Path | None:
-    """The newest complete checkpoint ``folder/step_NNNNNN`` (highest step), or None. Temp folders of a save
-    that has not finished (``.tmp-*``) never match."""
+def checkpoints(folder) -> list[tuple[int, Path]]:
+    """Every complete checkpoint ``folder/step_NNNNNN`` as (step, path), oldest first ([] without the folder). Temp
+    folders of a save that has not finished (``.tmp-*``) never match."""
     folder = Path(folder)
     if not folder.is_dir():
-        return None
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _STEP.fullmatch(p.name))]
-    return max(found)[1] if found else None
+        return []
+    return sorted((int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _STEP.fullmatch(p.name)))
+
+
+def latest(folder) -> Path | None:
+    """The newest complete checkpoint ``folder/step_NNNNNN`` (highest step), or None."""
+    found = checkpoints(folder)
+    return found[-1][1] if found else None
 
 
 # ------------------------------------------------------------------------------ random generators
