@@ -3,7 +3,7 @@ process's RSS and the CUDA allocator's statistics (lessons 01, 05, 07).
 
 - :func:`model_state_bytes` (parameters, gradients, optimizer state counted from the tensors themselves, exact);
 - :class:`SavedActivations` (bytes that autograd keeps for the backward pass, counted with saved-tensor hooks);
-- :func:`live_tensor_bytes` (every tensor alive), :func:`rss_bytes` and :func:`cuda_memory_stats`;
+- :func:`live_tensor_bytes` (every tensor alive, or created since a :class:`LiveTensors` snapshot), :func:`rss_bytes` and :func:`cuda_memory_stats`;
 - :func:`tensor_bytes` and :func:`unique_bytes` (storages counted once), which the others build on.
 
 The formulas these counts are checked against live in `course_lib.theory.memory`.
@@ -63,12 +63,8 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
                 total=p_bytes + g_bytes + o_bytes)
 
 
-def live_tensor_bytes(device: torch.device | str | None = None) -> int:
-    """Bytes of every tensor alive in this process on `device` (storages deduplicated; DTensors counted by their local
-    shard; ``device`` defaults to this rank's, `dist.device()`). The one measurement that treats every library alike,
-    on a CPU and on a GPU: whatever it keeps (buckets, flat buffers, optimizer state), it keeps in tensors. Not the
-    CUDA allocator's count, which adds its rounding and caches and so differs from the formulas by more than the
-    model state of a small model. A walk over every Python object: about 0.3 s on a CPU (lesson 05)."""
+def _live_tensors(device: torch.device | str | None) -> list[torch.Tensor]:
+    """Every tensor alive in this process on `device` (default: this rank's, `dist.device()`), after a gc pass."""
     import gc
 
     from course_lib import dist
@@ -86,7 +82,37 @@ def live_tensor_bytes(device: torch.device | str | None = None) -> int:
                     tensors.append(obj)
         except Exception:  # noqa: BLE001 - objects half torn down by gc
             continue
-    return unique_bytes(tensors, set())
+    return tensors
+
+
+class LiveTensors:
+    """The tensors alive now, held by weak references: ``live_tensor_bytes(since=snapshot)`` then counts only
+    storages that none of them still holds. Subtracting two byte counts instead would let a tensor that was alive
+    at the snapshot and freed since (a gloo worker thread drops its last collective's buffers a moment after
+    ``wait()`` returns) lower the later count by its bytes."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        import weakref
+
+        self._refs = [weakref.ref(t) for t in _live_tensors(device)]
+
+    def still_alive(self) -> set:
+        """The (device, data_ptr) keys of the snapshot's storages that one of its tensors still holds."""
+        seen: set = set()
+        for ref in self._refs:
+            unique_bytes([ref()], seen)
+        return seen
+
+
+def live_tensor_bytes(device: torch.device | str | None = None, since: LiveTensors | None = None) -> int:
+    """Bytes of every tensor alive in this process on `device` (storages deduplicated; DTensors counted by their local
+    shard; ``device`` defaults to this rank's, `dist.device()`); with ``since``, only storages that no tensor of
+    that snapshot still holds (what was created since). The one measurement that treats every library alike,
+    on a CPU and on a GPU: whatever it keeps (buckets, flat buffers, optimizer state), it keeps in tensors. Not the
+    CUDA allocator's count, which adds its rounding and caches and so differs from the formulas by more than the
+    model state of a small model. A walk over every Python object: about 0.3 s on a CPU (lesson 05)."""
+    seen = since.still_alive() if since is not None else set()
+    return unique_bytes(_live_tensors(device), seen)
 
 
 class SavedActivations:

@@ -111,6 +111,18 @@ def test_model_state_bytes_counts_tied_weights_once():
     assert memory_stats.model_state_bytes(model)["params"] == 7 * 3 * 4
 
 
+def test_live_bytes_since_a_snapshot_ignore_tensors_freed_after_it():
+    old = torch.ones(4096)                          # alive at the snapshot, freed before the count
+    kept = torch.ones(100)                          # alive at both: not counted
+    snap = memory_stats.LiveTensors("cpu")
+    new = torch.ones(1000)
+    view = new[:10]                                 # a view of a new storage counts once
+    del old
+    assert memory_stats.live_tensor_bytes("cpu", since=snap) == 1000 * 4
+    assert memory_stats.live_tensor_bytes("cpu") >= (1000 + 100) * 4
+    del kept, view, new
+
+
 def test_saved_activations_mlp_hand_computed():
     model = _mlp()
     B = 6

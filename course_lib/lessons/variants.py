@@ -24,7 +24,7 @@ from course_lib import dist as cdist
 from course_lib.data import shard_batch
 from course_lib.dist import global_mean
 from course_lib.measure import synchronize
-from course_lib.memory_stats import live_tensor_bytes, model_state_bytes
+from course_lib.memory_stats import LiveTensors, live_tensor_bytes, model_state_bytes
 from course_lib.model import build_model, lm_loss
 from course_lib.one_process import params_of
 from course_lib.parallel.deepspeed_config import deepspeed_config, import_deepspeed
@@ -152,7 +152,7 @@ def train_variant(cfg, batches, variant: str | Variant = "zero1", lr: float = LR
 
     Returns {'variant', 'losses', 'params' (full, after the last step; None when full_params=False), 'state'
     (model-state bytes: params/grads/optimizer/total, measured after the last backward, before its step; None
-    for DeepSpeed), 'live_bytes' (every live tensor minus the bytes alive before the model was built),
+    for DeepSpeed), 'live_bytes' (the storages of every live tensor created since before the model was built),
     'step_s' (median, first step excluded), 'times', 'comm' / 'calls' (payload bytes and calls per collective,
     own ZeRO only), 'padded_numel', 'world_size', 'backend'}.
     """
@@ -165,7 +165,7 @@ def train_variant(cfg, batches, variant: str | Variant = "zero1", lr: float = LR
     dev = cdist.device()
     opt_cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
     batches = list(batches)
-    base = live_tensor_bytes(dev) if measure_live else 0
+    base = LiveTensors(dev) if measure_live else None
     model = build_model(cfg, seed).to(dev)
     trainer = _BUILDERS[variant.impl](model, variant, opt_cls=opt_cls, lr=lr, group=group, dev=dev,
                                       zero_kwargs=zero_kwargs, zero_cls=zero_cls,
@@ -181,7 +181,7 @@ def train_variant(cfg, batches, variant: str | Variant = "zero1", lr: float = LR
             synchronize(dev)
             t_pause = time.perf_counter()
             state = trainer.state()
-            live = live_tensor_bytes(dev) - base if measure_live else None
+            live = live_tensor_bytes(dev, since=base) if measure_live else None
             t0 += time.perf_counter() - t_pause         # measuring is not part of the step
         trainer.step()
         synchronize(dev)
