@@ -174,3 +174,40 @@ def test_a_warm_rank_whose_run_failed_exits_under_nccl_and_stays_only_under_gloo
         assert not stays_after_failure(exc, "nccl"), exc
     for exc in (KeyboardInterrupt(), SystemExit(3)):
         assert not stays_after_failure(exc, "gloo") and not stays_after_failure(exc, "nccl"), exc
+
+
+def test_the_global_token_count_is_all_reduced_on_the_ranks_device(monkeypatch):
+    """Under NCCL a collective's tensor must live on the rank's GPU (the bug CI's NCCL-rule check caught in lesson 09:
+    a CPU count built without a device). `dist.device()` stands in here as the meta device, which no CPU default
+    reaches; the caller's count is left where it was."""
+    from course_lib import token_loss
+
+    seen = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(cdist, "device", lambda: torch.device("meta"))
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, **k: seen.append((t.device, k["op"])))
+    local = torch.tensor(7)
+    n = token_loss.global_token_count(local)
+    assert seen == [(torch.device("meta"), torch.distributed.ReduceOp.SUM)] and n.device.type == "meta"
+    assert local.device.type == "cpu" and local.item() == 7
+    n = token_loss.global_valid_tokens([torch.tensor([[1, -100], [2, 3]])])
+    assert n.device.type == "meta" and len(seen) == 2
+
+
+def test_gpu_checks_model_state_takes_cublas_workspace_before_it_reads_the_allocator(fake_gpus, monkeypatch):
+    """`course gpu-check` failed on an H200 by counting cuBLAS's 65 MiB workspace as model state (docs/GPU_RUNS.md):
+    the workspace must be taken before the allocator's first reading, or the 1 % tolerance fails on gpt2-124m."""
+    fake_gpus(["NVIDIA H200"])
+    order = []
+
+    class Read(Exception):
+        pass
+
+    def memory_allocated(device=None):
+        order.append("read allocator")
+        raise Read
+    monkeypatch.setattr(gpu_check, "_take_blas_workspace", lambda device: order.append("take workspace"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", memory_allocated)
+    with pytest.raises(Read):
+        gpu_check._memory_check(torch.device("cuda", 0))
+    assert order == ["take workspace", "read allocator"]
