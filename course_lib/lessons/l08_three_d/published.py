@@ -588,36 +588,39 @@ def moe_run(run: PublishedRun = DEEPSEEK_V3, kernel_efficiency: float = 0.4) -> 
     return _explained(out, diffs, t0, ep=run.ep, ep_span=run.ep * run.tp, ep_share=row.exposed["ep"] / tot)
 
 
+def _placed_text(out: dict, published: str, exchange: str, mfu_note: str = "") -> str:
+    """What `moe_run` or `long_context` found, in a few lines: ``published`` (the run as published) and ``exchange``
+    (its own communication) are the lines that differ."""
+    row, best = out["row"], out["best"]
+    return "\n".join([
+        published,
+        f"  feasible as {row.layout.label()}: {row.memory['total'] / GiB:.1f} GiB per GPU, step {row.time['total']:.1f}"
+        f" s, {out['predicted_tflops']:.0f} TFLOP/s per GPU (MFU {row.mfu:.1%}{mfu_note}); rank {out['rank']} of "
+        f"{out['n_feasible']} feasible layouts, its shape {out['shape_rank']} of {out['n_shapes']} shapes; {exchange}",
+        f"  the planner's best: {best.layout.label()} (step {best.time['total']:.1f} s, MFU {best.mfu:.1%})",
+        f"  why: {out['why']}"])
+
+
 def moe_run_text(out: dict) -> str:
     """What `moe_run` found, in a few lines."""
     r, row = out["run"], out["row"]
-    return "\n".join([
+    return _placed_text(
+        out,
         f"{r.name}: published dp {r.dp} x tp {r.tp} x pp {r.pp}, ep {r.ep} (borrowed from dp), batch "
         f"{r.global_batch:,} x {r.seq_len:,} tokens on {r.cluster.n_gpus:,} {r.gpu}s; derived {r.reported_tflops:.0f}"
         f" TFLOP/s per GPU ({r.stated_mfu:.0%} MFU of the bf16 peak, from tokens and GPU hours, not stated)",
-        f"  feasible as {row.layout.label()}: {row.memory['total'] / GiB:.1f} GiB per GPU, step {row.time['total']:.1f}"
-        f" s, {out['predicted_tflops']:.0f} TFLOP/s per GPU (MFU {row.mfu:.1%}, active FLOPs); rank {out['rank']} of "
-        f"{out['n_feasible']} feasible layouts, its shape {out['shape_rank']} of {out['n_shapes']} shapes; "
-        f"all-to-all {row.time['ep']:.1f} s per step, exposed",
-        f"  the planner's best: {out['best'].layout.label()} (step {out['best'].time['total']:.1f} s, MFU "
-        f"{out['best'].mfu:.1%})",
-        f"  why: {out['why']}"])
+        f"all-to-all {row.time['ep']:.1f} s per step, exposed", mfu_note=", active FLOPs")
 
 
 def long_context_text(out: dict) -> str:
     """What `long_context` found, in a few lines."""
     r, row = out["run"], out["row"]
-    return "\n".join([
+    return _placed_text(
+        out,
         f"{r.name}: published dp {r.dp} x tp {r.tp} x pp {r.pp} x cp {r.cp} ({r.cp_variant}), batch {r.global_batch}"
         f" x {r.seq_len:,} tokens on {r.cluster.n_gpus:,} {r.gpu}s; reported {r.reported_tflops:g} TFLOP/s per GPU "
         f"({r.stated_mfu:.0%} MFU)",
-        f"  feasible as {row.layout.label()}: {row.memory['total'] / GiB:.1f} GiB per GPU, step {row.time['total']:.1f}"
-        f" s, {out['predicted_tflops']:.0f} TFLOP/s per GPU (MFU {row.mfu:.1%}); rank {out['rank']} of "
-        f"{out['n_feasible']} feasible layouts, its shape {out['shape_rank']} of {out['n_shapes']} shapes; CP "
-        f"exchange {row.time['cp']:.2f} s per step, {row.exposed['cp']:.2f} s exposed",
-        f"  the planner's best: {out['best'].layout.label()} (step {out['best'].time['total']:.1f} s, MFU "
-        f"{out['best'].mfu:.1%})",
-        f"  why: {out['why']}"])
+        f"CP exchange {row.time['cp']:.2f} s per step, {row.exposed['cp']:.2f} s exposed")
 
 
 def throughput_table(runs=THROUGHPUT_RUNS, calibration: str = CALIBRATION, rank: bool = True) -> tuple[float, list]:
