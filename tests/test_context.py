@@ -102,6 +102,70 @@ def test_fully_masked_blocks_are_skipped():
     assert counter.work == 2 * 3 * 32 * 32
 
 
+# bf16: the errors of SDPA itself in bf16 are the bar. Keeping the log-sum-exp and the running output in bf16 (this
+# code before 2026-11-27) made them 6-8x SDPA's on this case (out 3.5e-2, dq 6.7e-2 vs 5.5e-3, 8.2e-3).
+BF16_SLACK = 1.5
+
+
+def _bf16_case(T=256, seed=1):
+    """q, k, v (B 2, H 4, T, D 32) with scores of order 10 (the regime where a rounded lse shows) and dout, fp64."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(2, 4, T, 32, generator=g, dtype=torch.float64) for _ in range(4))
+    return 2 * q, 2 * k, v, dout
+
+
+def _errors(outputs, reference):
+    """Relative errors (out, dq, dk, dv), each ||x - ref|| / ||ref||."""
+    return [((x.double() - r).norm() / r.norm()).item() for x, r in zip(outputs, reference)]
+
+
+def _attend_and_grads(fn, q, k, v, dout, dtype):
+    q, k, v = (t.to(dtype).detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(dout.to(dtype))
+    return [out, q.grad, k.grad, v.grad]
+
+
+def _sdpa_bf16_bar():
+    case = _bf16_case()
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)   # noqa: E731
+    ref = _attend_and_grads(sdpa, *case, torch.float64)
+    return case, ref, _errors(_attend_and_grads(sdpa, *case, torch.bfloat16), ref)
+
+
+def _assert_near_sdpa_bf16(errors, bar, what):
+    for name, err, b in zip(("out", "dq", "dk", "dv"), errors, bar):
+        assert err <= BF16_SLACK * b, f"{what}, {name}: relative error {err:.2e} vs SDPA's own bf16 error {b:.2e}"
+
+
+def test_blockwise_attention_in_bf16_is_as_accurate_as_sdpa_in_bf16():
+    case, ref, bar = _sdpa_bf16_bar()
+    ours = _attend_and_grads(lambda q, k, v: blockwise_attention(q, k, v, block_size=16), *case, torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in ours)
+    _assert_near_sdpa_bf16(_errors(ours, ref), bar, "blockwise attention in bf16")
+
+
+def _rank_ring_bf16(q, k, v, dout):
+    """Ring attention in bf16 on this rank's rows (balanced split); every output and gradient gathered, in fp32."""
+    from course_lib import dist
+    from course_lib.parallel.context import gather_sequence
+    from course_lib.parallel.context_attention import ring_attention
+
+    torch.set_num_threads(1)
+    lay = layouts(q.shape[2], torch.distributed.get_world_size())
+    mine = lambda t: split_sequence(t.to(dist.device(), torch.bfloat16), None, dim=2)   # noqa: E731
+    q, k, v = (mine(t).detach().requires_grad_() for t in (q, k, v))
+    out = ring_attention(q, k, v, None, lay)
+    out.backward(mine(dout))
+    return [gather_sequence(t.float(), None, dim=2).cpu() for t in (out, q.grad, k.grad, v.grad)]
+
+
+def test_ring_attention_in_bf16_is_as_accurate_as_sdpa_in_bf16():
+    case, ref, bar = _sdpa_bf16_bar()
+    res = run(_rank_ring_bf16, 2, args=case, backend="gloo", timeout_s=120, stream=False).returns
+    _assert_near_sdpa_bf16(_errors(res[0], ref), bar, "ring attention on 2 gloo ranks in bf16")
+
+
 def test_layouts_cover_the_sequence():
     assert chunk_layout(32, 4, 0) == [(0, 4), (28, 4)] and chunk_layout(32, 4, 3) == [(12, 4), (16, 4)]
     assert chunk_layout(32, 4, 1, "contiguous") == [(8, 8)]

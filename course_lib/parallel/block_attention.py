@@ -37,7 +37,7 @@ import math
 import torch
 from course_lib.reference import reference_for
 
-__all__ = ["Chunks", "blocks_of", "block_pairs", "attend_block", "merge_partials", "block_grads",
+__all__ = ["Chunks", "blocks_of", "block_pairs", "attend_block", "no_partial", "merge_partials", "block_grads",
            "BlockwiseAttention", "blockwise_attention"]
 
 Chunks = list[tuple[int, int]]   # [(first global position, length), ...] of a tensor's rows, in row order
@@ -68,8 +68,9 @@ def block_pairs(q_blocks, k_blocks, causal: bool):
 
 
 def _scores(q, k, q_start: int, k_start: int, masked: bool, scale: float) -> torch.Tensor:
-    """S = q k^T * scale, -inf where key position > query position: (B, H, nq, D), (B, H, nk, D) -> (B, H, nq, nk)."""
-    s = (q @ k.transpose(-2, -1)) * scale                            # (B, H, nq, nk)
+    """S = q k^T * scale, -inf where key position > query position: (B, H, nq, D), (B, H, nk, D) -> (B, H, nq, nk),
+    in fp32 whatever the inputs' dtype (FlashAttention keeps S, P and the running output in fp32)."""
+    s = (q.float() @ k.float().transpose(-2, -1)) * scale            # (B, H, nq, nk)
     if masked:
         qpos = torch.arange(q_start, q_start + q.shape[-2], device=q.device)
         kpos = torch.arange(k_start, k_start + k.shape[-2], device=q.device)
@@ -83,14 +84,23 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 
 def attend_block(q, k, v, q_start: int = 0, k_start: int = 0, masked: bool = False, scale: float | None = None):
-    """One partial result over one key block: (out, lse), out (B, H, nq, D), lse (B, H, nq) (fp32 in fp32).
+    """One partial result over one key block: (out, lse), out (B, H, nq, D), lse (B, H, nq), both in fp32 whatever
+    the inputs' dtype: in bf16 an lse rounded to 8 bits of mantissa would weight every later merge wrongly.
 
     A query row that sees no key of the block gets lse = -inf and out = 0 (the merge then gives it weight 0)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = _scores(q, k, q_start, k_start, masked, scale)               # (B, H, nq, nk)
     lse = torch.logsumexp(s, dim=-1)                                  # (B, H, nq, nk) -> (B, H, nq)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))                     # softmax over this block's keys
-    return p @ v, lse                                                 # (B, H, nq, nk) @ (B, H, nk, D) -> (B, H, nq, D)
+    return p @ v.float(), lse                                         # (B, H, nq, nk) @ (B, H, nk, D) -> (B, H, nq, D)
+
+
+def no_partial(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (out, lse) of rows that have seen no key yet, the accumulators of the online softmax: zeros (B, H, nq, D)
+    and -inf (B, H, nq), in fp32 whatever q's dtype (PyTorch's ring attention likewise upcasts, its
+    `_ContextParallelOptions.convert_to_f32`: "to avoid accumulation errors"). `zeros_like` keeps q's memory layout."""
+    return (torch.zeros_like(q, dtype=torch.float32),
+            q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32))
 
 
 @reference_for("10-merge-lse")
@@ -111,8 +121,10 @@ def block_grads(q, k, v, dout, lse, delta, q_start: int = 0, k_start: int = 0, m
                 scale: float | None = None):
     """FlashAttention's backward for one (query block, key block) pair: (dq, dk, dv) contributions.
 
-    lse (B, H, nq) is the *final* log-sum-exp of the query rows (over all keys), delta = rowsum(dO * O) (B, H, nq)."""
+    lse (B, H, nq) is the *final* log-sum-exp of the query rows (over all keys), delta = rowsum(dO * O) (B, H, nq).
+    Computed and returned in fp32 whatever the inputs' dtype (the caller accumulates them)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q, k, v, dout = q.float(), k.float(), v.float(), dout.float()
     s = _scores(q, k, q_start, k_start, masked, scale)               # recomputed: (B, H, nq, nk)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))                     # the softmax probabilities of this block
     dv = p.transpose(-2, -1) @ dout                                   # (B, H, nk, nq) @ (B, H, nq, D) -> (B, H, nk, D)
@@ -132,13 +144,14 @@ class BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_chunks, k_chunks, causal, block_size, counter):
         q_blocks, k_blocks = blocks_of(q_chunks, block_size), blocks_of(k_chunks, block_size)
-        out, lse = torch.zeros_like(q), q.new_full(q.shape[:-1], float("-inf"))   # (B, H, nq, D), (B, H, nq)
+        out, lse = no_partial(q)                                      # (B, H, nq, D), (B, H, nq), fp32
         for (qr, qs, qn), (kr, ks, kn), masked in block_pairs(q_blocks, k_blocks, causal):
             o, l = attend_block(q[..., qr:qr + qn, :], k[..., kr:kr + kn, :], v[..., kr:kr + kn, :], qs, ks, masked)
             o, l = merge_partials(out[..., qr:qr + qn, :], lse[..., qr:qr + qn], o, l)
             out[..., qr:qr + qn, :], lse[..., qr:qr + qn] = o, l
             if counter is not None:
                 counter.add_work(q.shape[0] * q.shape[1] * qn * kn)
+        out = out.to(q.dtype)                                         # (no copy in fp32)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout = (q_blocks, k_blocks, causal)
         ctx.mark_non_differentiable(lse)
@@ -149,8 +162,8 @@ class BlockwiseAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         q_blocks, k_blocks, causal = ctx.layout
         dout = dout.contiguous()
-        delta = (dout * out).sum(-1)                                  # D = rowsum(dO * O): (B, H, nq)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = (dout.float() * out.float()).sum(-1)                  # D = rowsum(dO * O): (B, H, nq)
+        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
         for (qr, qs, qn), (kr, ks, kn), masked in block_pairs(q_blocks, k_blocks, causal):
             rows, cols = slice(qr, qr + qn), slice(kr, kr + kn)
             g = block_grads(q[..., rows, :], k[..., cols, :], v[..., cols, :], dout[..., rows, :],
@@ -158,7 +171,7 @@ class BlockwiseAttention(torch.autograd.Function):
             dq[..., rows, :] += g[0]
             dk[..., cols, :] += g[1]
             dv[..., cols, :] += g[2]
-        return dq, dk, dv, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def blockwise_attention(q, k, v, causal: bool = True, block_size: int | None = None,

@@ -11,6 +11,9 @@ travels:
   (`block_attention.merge_partials`). Backward (`_RingAttention.backward`): K/V travel the ring again, and an
   accumulator of dK/dV travels with each chunk, collecting every rank's contribution, and makes one more hop home:
   per rank, forward (cp-1) K/V chunks sent, backward (cp-1) K/V chunks + cp dK/dV chunks.
+  Precision: scores, the running output, the log-sum-exp and dQ are kept in fp32 whatever the inputs' dtype
+  (`block_attention.no_partial`); the dK/dV accumulators travel in the inputs' dtype, so that bf16 sends the bytes
+  of `theory.context.layer_comm` (PyTorch's ring attention sends them in fp32 instead, `convert_to_f32`).
 * **all-gather** (Llama 3, Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.2): all-gather K and V
   of the whole sequence, attend locally with the causal mask of the rank's own chunks; backward reduce-scatters
   dK, dV to their owners. Simple and exact; costs the whole sequence's K/V in memory (small with GQA).
@@ -70,8 +73,8 @@ class _RingAttention(torch.autograd.Function):
         right, left = _global(group, (r + 1) % cp), _global(group, (r - 1) % cp)
         q_blocks = blocks_of(layouts[r])
         kv = torch.stack([k, v])                                      # 2 x (B, H, n, D) -> (2, B, H, n, D)
-        out, lse = torch.zeros_like(q), q.new_full(q.shape[:-1], float("-inf"))    # (B, H, n, D), (B, H, n)
-        # zeros_like keeps q's memory layout, (B, n, H, D): the model's transpose back to (B, n, C) is free, as
+        out, lse = block_attention.no_partial(q)                      # (B, H, n, D), (B, H, n), fp32
+        # no_partial keeps q's memory layout, (B, n, H, D): the model's transpose back to (B, n, C) is free, as
         # after SDPA, and the output is the projection's input too (theory.context.activation_bytes_per_layer)
         for t in range(cp):
             src = (r - t) % cp                                        # whose K/V chunk this rank holds now
@@ -90,6 +93,7 @@ class _RingAttention(torch.autograd.Function):
             for w in works:
                 w.wait()
             kv = nxt if nxt is not None else kv
+        out = out.to(q.dtype)                                         # (no copy in fp32)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.setup = (group, layouts, causal, counter)
         ctx.mark_non_differentiable(lse)
@@ -103,8 +107,8 @@ class _RingAttention(torch.autograd.Function):
         right, left = _global(group, (r + 1) % cp), _global(group, (r - 1) % cp)
         q_blocks = blocks_of(layouts[r])
         dout = dout.contiguous()
-        delta = (dout * out).sum(-1)                                  # D = rowsum(dO * O): (B, H, n)
-        dq = torch.zeros_like(q)                                      # (B, H, n, D)
+        delta = (dout.float() * out.float()).sum(-1)                  # D = rowsum(dO * O): (B, H, n)
+        dq = torch.zeros_like(q, dtype=torch.float32)                 # (B, H, n, D)
         kv = torch.stack([k, v])                                      # (2, B, H, n, D)
         dkv = torch.zeros_like(kv)                                    # dK/dV of the chunk this rank holds now
         for t in range(cp):
@@ -125,7 +129,7 @@ class _RingAttention(torch.autograd.Function):
             for w in works:
                 w.wait()
             kv, dkv = (nxt if nxt is not None else kv), dnext
-        return dq, dkv[0], dkv[1], None, None, None, None
+        return dq.to(q.dtype), dkv[0], dkv[1], None, None, None, None
 
 
 @reference_for("10-ring-step")

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from course_lib import dist as cdist
 from course_lib.memory_stats import SavedActivations
-from course_lib.parallel.block_attention import attend_block, block_pairs, blocks_of, blockwise_attention, merge_partials
+from course_lib.parallel.block_attention import (attend_block, block_pairs, blocks_of, blockwise_attention,
+                                                 merge_partials, no_partial)
 from course_lib.theory.savers import attention_saved_bytes
 
 __all__ = ["naive_attention", "attention_memory_sweep", "blockwise_errors", "timed_ring_forward",
@@ -93,7 +94,7 @@ def timed_ring_forward(q, k, v, layouts: list, clock) -> tuple[torch.Tensor, lis
     right, left = (r + 1) % cp, (r - 1) % cp
     q_blocks = blocks_of(layouts[r])
     kv = torch.stack([k, v])                                          # (2, B, H, n, D)
-    out, lse = torch.zeros_like(q), q.new_full(q.shape[:-1], float("-inf"))
+    out, lse = no_partial(q)                                          # fp32 accumulators
     stamps = []
     for t in range(cp):
         src = (r - t) % cp
@@ -118,7 +119,7 @@ def timed_ring_forward(q, k, v, layouts: list, clock) -> tuple[torch.Tensor, lis
         events.append(dict(step=t, kind="compute", start=clock.seconds(t0), end=clock.seconds(t1)))
         if t_post is not None:
             events.append(dict(step=t, kind="transfer", start=clock.seconds(t_post), end=clock.seconds(t_done)))
-    return out, events
+    return out.to(q.dtype), events
 
 
 def _ring_timeline(batch, n_head, seq_len, head_dim, split, repeats):
