@@ -1,7 +1,8 @@
 """Tests of lesson 11's mixture of experts (course_lib/parallel/{moe,experts}.py, course_lib/theory/experts.py).
 
 One process: our MoE layer = transformers' MixtralSparseMoeBlock and Qwen2MoeSparseMoeBlock with the same weights
-(outputs, router logits, fp32, atol 1e-6), our Switch loss x k = transformers' load_balancing_loss_func; three wrong
+(outputs, router logits, fp32, atol 1e-6; with Mixtral also the gradients of the input and of every weight, rtol and
+atol 1e-5), our Switch loss x k = transformers' load_balancing_loss_func; three wrong
 variants fail (softmax after top-k without renormalisation, f_i from probabilities, the inverse permutation applied
 twice); capacity drops counted exactly; the DeepSeek-V3 bias picks but never weighs; formulas.
 One launch per world size (2 and 4 gloo ranks): a GPT with a MoE layer in every block under expert parallelism, top-1
@@ -64,6 +65,30 @@ def test_equals_mixtral(top_k):
     torch.testing.assert_close(ours.router_logits, block.gate(x)[0], rtol=0, atol=ATOL_HF)
     hf_loss = load_balancing_loss_func((ours.router_logits,), E, top_k)   # counts / T, not T k: k times ours
     assert (top_k * ours.aux_loss).item() == pytest.approx(hf_loss.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_gradients_equal_mixtrals(top_k):
+    """The same backward as transformers' block: the input's gradient and every weight's, mapped back to its layout
+    (gate (E, C) = router; gate_up_proj = [w1; w3]; down_proj = w2). Routing itself has no gradient in either; the
+    router learns through the top-k weights that scale each expert's output (with k >= 2: see below)."""
+    block, x = _mixtral(top_k)
+    ours = from_hf_mixtral(block)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dy = torch.randn_like(x)
+    (ours(xa) * dy).sum().backward()
+    (block(xb) * dy).sum().backward()
+    F_ = block.experts.gate_up_proj.shape[1] // 2
+    pairs = {"x": (xa.grad, xb.grad), "router": (ours.router.weight.grad, block.gate.weight.grad),
+             "w1": (ours.experts.w1.grad, block.experts.gate_up_proj.grad[:, :F_]),
+             "w3": (ours.experts.w3.grad, block.experts.gate_up_proj.grad[:, F_:]),
+             "w2": (ours.experts.w2.grad, block.experts.down_proj.grad)}
+    if top_k == 1:                  # Mixtral renormalises the top-k weights: with k = 1 each is p / p = 1, and the
+        a, b = pairs.pop("router")  # router gets no gradient from the output at all (rounding only), in both
+        assert a.abs().max() < 1e-5 and b.abs().max() < 1e-5
+    for name, (a, b) in pairs.items():
+        assert b.abs().max() > 1e-3, f"{name}: transformers' gradient is zero, nothing compared"
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"d{name}: {m}")  # fp32, O(1)
 
 
 def test_equals_qwen2_moe_with_shared_expert():
