@@ -8,7 +8,9 @@ twice); capacity drops counted exactly; the DeepSeek-V3 bias picks but never wei
 One launch per world size (2 and 4 gloo ranks): a GPT with a MoE layer in every block under expert parallelism, top-1
 and top-2, with and without capacity, = one process on the global batch (losses, first gradients, parameters after 3
 SGD steps; rtol 1e-5, atol 1e-6); on 4 ranks also ep 2 x expert-dp 2 borrowing dp 4; bytes per layer counted ==
-formula for the routing that happened, and == the uniform formula on a constructed uniform routing; DeepSpeed's MoE.
+formula for the routing that happened, and == the uniform formula on a constructed uniform routing; DeepSpeed's MoE;
+DeepSeek-V3's bias updated from the loads summed over the ranks = one process (bias and losses), from each rank's own
+loads it is not.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from course_lib.one_process import grads_of, params_of, train_reference
 from course_lib.parallel import moe
 from course_lib.parallel.experts import validate_expert_parallel
 from course_lib.parallel.moe import (MoELayer, apply_moe, dispatch_permutation, from_hf_mixtral, from_hf_qwen2_moe,
-                                     moe_loss, switch_loss, update_expert_bias)
+                                     moe_layers, moe_loss, switch_loss, update_expert_bias)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the rank functions below travel by value
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CFG = dataclasses.replace(get_preset("tiny"), seq_len=16)     # 2 layers, d_model 64
 BATCH, STEPS, LR, E, F_EXPERT, ALPHA = 4, 3, 0.3, 4, 32, 0.1
+GAMMA = 0.5                                                   # large enough for the bias to change the routing
 CASES = [(1, None), (2, None), (1, 1.0), (2, 1.25)]            # (top_k, capacity_factor)
 ATOL_HF = 1e-6
 
@@ -215,7 +218,8 @@ def _moe_model(cfg, top_k, cf, groups, dev):
                      capacity_factor=cf, groups=groups).to(dev)
 
 
-def _run_ep(cfg, batches, top_k, cf, ep, lr):
+def _run_ep(cfg, batches, top_k, cf, ep, lr, gamma=None, bias_group=None):
+    """gamma: DeepSeek-V3's bias update after every step, its loads summed over ``bias_group`` (None: every rank)."""
     import torch.distributed as dist
 
     from course_lib import dist as cdist
@@ -247,7 +251,10 @@ def _run_ep(cfg, batches, top_k, cf, ep, lr):
         out["losses"].append(cdist.global_mean(loss))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if gamma is not None:
+            update_expert_bias(model, gamma, group=bias_group)
     out["params"] = params_of(model)
+    out["bias"] = [m.router.expert_bias.cpu() for m in moe_layers(model)]
     return out
 
 
@@ -276,7 +283,12 @@ def _uniform_layer(ep):
 
 
 def _all_checks(cfg, batches, lr, world):
+    import torch.distributed as dist
+
     out = {f"k{k}/cf{cf}/ep{world}": _run_ep(cfg, batches, k, cf, world, lr) for k, cf in CASES}
+    solo = [dist.new_group([r]) for r in range(world)][dist.get_rank()]    # every rank creates every group
+    out["bias"] = _run_ep(cfg, batches, 2, None, world, lr, gamma=GAMMA)
+    out["bias, local loads"] = _run_ep(cfg, batches, 2, None, world, lr, gamma=GAMMA, bias_group=solo)
     if world == 4:
         out["k2/cf1.25/ep2"] = _run_ep(cfg, batches, 2, 1.25, 2, lr)
         out["k1/cfNone/ep2"] = _run_ep(cfg, batches, 1, None, 2, lr)
@@ -291,6 +303,21 @@ BATCHES = random_batches(CFG, BATCH, STEPS, seed=0)
 
 def _reference(top_k, cf, groups):
     return train_reference(CFG, BATCHES, "sgd", LR, model=_moe_model(CFG, top_k, cf, groups, "cpu"), loss_fn=moe_loss)
+
+
+def _reference_with_bias(groups):
+    """One process, top-2, SGD, DeepSeek-V3's bias updated from the global batch's loads after every step."""
+    model = _moe_model(CFG, 2, None, groups, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for x, y in BATCHES:
+        loss = moe_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        update_expert_bias(model, GAMMA)
+        losses.append(loss.item())
+    return dict(losses=losses, bias=[m.router.expert_bias.clone() for m in moe_layers(model)])
 
 
 @pytest.fixture(scope="module")
@@ -337,6 +364,23 @@ def test_bytes_equal_formula_for_the_routing(ranks, world, key):
         a2a = {ph: v["bytes"] for (ph, op), v in row["collectives"].items() if op == "all_to_all_single"}
         for phase in ("forward", "backward"):                    # CollectiveCounter counts outputs: the same totals
             assert a2a[phase] == sum(v["bytes"] for t in row["comm"] for (ph, _), v in t.items() if ph == phase)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_bias_under_expert_parallelism_equals_one_process(ranks, world):
+    """The bias update sums the loads over the ranks: every rank keeps the bias one process computes from the global
+    batch, and trains as it does. Updated from each rank's own loads, the ranks' biases part from it."""
+    ref = _reference_with_bias(groups=world)
+    plain = _reference(2, None, groups=world)
+    assert ref["losses"][-1] != pytest.approx(plain["losses"][-1], rel=1e-4), "the bias did not change the routing"
+    for r, res in enumerate(ranks[world]):
+        row, what = res["bias"], f"bias, rank {r}/{world}"
+        assert row["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6), what
+        for layer, (ours, one) in enumerate(zip(row["bias"], ref["bias"])):
+            torch.testing.assert_close(ours, one, rtol=0, atol=1e-6, msg=lambda m: f"{what}, layer {layer}: {m}")
+    local = [res["bias, local loads"]["bias"] for res in ranks[world]]
+    assert any(not torch.equal(b, one) for rank_bias in local for b, one in zip(rank_bias, ref["bias"])), \
+        "a bias from each rank's own loads equalled the global one"
 
 
 @pytest.mark.parametrize("world", [2, 4])
