@@ -64,14 +64,19 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
 
 
 def _live_tensors(device: torch.device | str | None) -> list[torch.Tensor]:
-    """Every tensor alive in this process on `device` (default: this rank's, `dist.device()`), after a gc pass."""
+    """Every tensor alive in this process on `device` (default: this rank's, `dist.device()`), after a gc pass.
+
+    It first sleeps 20 ms without the GIL: a gloo worker thread holds a finished collective's tensors a moment after
+    ``wait()`` returns, and to drop the last reference to a tensor that Python has seen it needs the GIL."""
     import gc
+    import time
 
     from course_lib import dist
 
     device = torch.device(device) if device is not None else dist.device()   # this rank's device
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    time.sleep(0.02)
     gc.collect()
     tensors = []
     for obj in gc.get_objects():
