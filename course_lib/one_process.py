@@ -32,12 +32,13 @@ def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def train_reference(cfg: ModelConfig, batches, optimizer: str | None = "sgd", lr: float = 0.1, seed: int = 0,
                     device: torch.device | str = "cpu", model: nn.Module | None = None,
-                    loss_fn: Callable | None = None) -> dict:
+                    loss_fn: Callable | None = None, after_step: Callable | None = None) -> dict:
     """One process on the whole global batch: what every parallel run must reproduce.
 
     optimizer: 'sgd', 'adamw' or None (forward and backward only: gradients accumulate over the batches).
     ``model``: another model than ``build_model(cfg, seed)`` (e.g. a GPT whose MLPs are experts, lesson 11);
     ``loss_fn(model, x, y)``: another loss than the LM loss of its logits (then no logits are returned).
+    ``after_step(model)``: called after every batch, once its step is taken (e.g. DeepSeek-V3's expert bias, lesson 11).
     Returns {'losses': [...], 'params' (after the last step), 'grads' (of the last batch), 'first_grads' (of
     the first), 'logits' (of the last batch)}."""
     model = (build_model(cfg, seed) if model is None else model).to(device)
@@ -57,6 +58,8 @@ def train_reference(cfg: ModelConfig, batches, optimizer: str | None = "sgd", lr
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step(model)
         losses.append(loss.item())
     return {"losses": losses, "params": params_of(model), "grads": grads, "first_grads": first_grads,
             "logits": logits.detach() if logits is not None else None}

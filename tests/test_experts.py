@@ -308,16 +308,9 @@ def _reference(top_k, cf, groups):
 def _reference_with_bias(groups):
     """One process, top-2, SGD, DeepSeek-V3's bias updated from the global batch's loads after every step."""
     model = _moe_model(CFG, 2, None, groups, "cpu")
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for x, y in BATCHES:
-        loss = moe_loss(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        update_expert_bias(model, GAMMA)
-        losses.append(loss.item())
-    return dict(losses=losses, bias=[m.router.expert_bias.clone() for m in moe_layers(model)])
+    ref = train_reference(CFG, BATCHES, "sgd", LR, model=model, loss_fn=moe_loss,
+                          after_step=lambda m: update_expert_bias(m, GAMMA))
+    return dict(ref, bias=[m.router.expert_bias.clone() for m in moe_layers(model)])
 
 
 @pytest.fixture(scope="module")
