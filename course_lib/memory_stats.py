@@ -3,7 +3,8 @@ process's RSS and the CUDA allocator's statistics (lessons 01, 05, 07).
 
 - :func:`model_state_bytes` (parameters, gradients, optimizer state counted from the tensors themselves, exact);
 - :class:`SavedActivations` (bytes that autograd keeps for the backward pass, counted with saved-tensor hooks);
-- :func:`live_tensor_bytes` (every tensor alive, or created since a :class:`LiveTensors` snapshot), :func:`rss_bytes` and :func:`cuda_memory_stats`;
+- :func:`live_tensor_bytes` (every tensor alive, or created since a :class:`LiveTensors` snapshot), :func:`rss_bytes`
+  and :func:`cuda_memory_stats`;
 - :func:`tensor_bytes` and :func:`unique_bytes` (storages counted once), which the others build on.
 
 The formulas these counts are checked against live in `course_lib.theory.memory`.
@@ -93,8 +94,7 @@ def _live_tensors(device: torch.device | str | None) -> list[torch.Tensor]:
 class LiveTensors:
     """The tensors alive now, held by weak references: ``live_tensor_bytes(since=snapshot)`` then counts only
     storages that none of them still holds. Subtracting two byte counts instead would let a tensor that was alive
-    at the snapshot and freed since (a gloo worker thread drops its last collective's buffers a moment after
-    ``wait()`` returns) lower the later count by its bytes."""
+    at the snapshot and freed since (a collective's buffer, see `_live_tensors`) lower the later count by its bytes."""
 
     def __init__(self, device: torch.device | str | None = None):
         import weakref

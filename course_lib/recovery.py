@@ -1,4 +1,5 @@
-"""Recovering from a loss spike as large runs did (lesson 09, second part), for the training script (`course_lib.train`).
+"""Recovering from a loss spike as large runs did (lesson 09, second part), for the training script
+(`course_lib.train`).
 
 `SpikeWatch` runs the z-score detectors of ``[spikes]`` (`course_lib.spikes`) on the all-reduced loss and gradient
 norm, so every rank takes the same decision. `recover` does PaLM's recovery (Chowdhery et al. 2022, section 5.1: "we
@@ -69,7 +70,7 @@ def drop_newer(folder: Path, step: int) -> None:
 
 
 def save_state(engine, ckpt: Path, step: int, loader, watch, rewinds: int) -> None:
-    """The checkpoint after ``step`` steps: the engine's state, and in its extras what `_restore` puts back (the
+    """The checkpoint after ``step`` steps: the engine's state, and in its extras what `restore_state` puts back (the
     loader's position, the rewinds so far, the detectors' windows)."""
     extra = {"data": loader.state_dict(), "rewinds": rewinds,
              "spikes": watch.state_dict() if watch is not None else None}

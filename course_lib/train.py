@@ -48,8 +48,6 @@ from pathlib import Path
 
 import torch
 
-from course_lib import recovery
-
 __all__ = ["main", "train", "launch", "check"]
 
 
@@ -328,7 +326,7 @@ def train(cfg, layout: dict) -> dict:
     """Run (or resume) the configured training on every rank; rank 0 returns and writes the run's record."""
     import torch.distributed as dist
 
-    from course_lib import alerts, monitor
+    from course_lib import alerts, monitor, recovery
     from course_lib import dist as cdist
     from course_lib.token_loss import global_valid_tokens
     from course_lib.watchdog import Heartbeat

@@ -69,7 +69,7 @@ def block_pairs(q_blocks, k_blocks, causal: bool):
 
 def _scores(q, k, q_start: int, k_start: int, masked: bool, scale: float) -> torch.Tensor:
     """S = q k^T * scale, -inf where key position > query position: (B, H, nq, D), (B, H, nk, D) -> (B, H, nq, nk),
-    in fp32 whatever the inputs' dtype (FlashAttention keeps S, P and the running output in fp32)."""
+    in fp32 whatever the inputs' dtype, as the accumulators of `no_partial`."""
     s = (q.float() @ k.float().transpose(-2, -1)) * scale            # (B, H, nq, nk)
     if masked:
         qpos = torch.arange(q_start, q_start + q.shape[-2], device=q.device)
