@@ -54,9 +54,9 @@ BROWSER_TEST = "tests/test_browser.py"
 #     test_grading.py) start early instead of last.
 #     (``--dist loadgroup`` with a group per browser lesson was tried: it ran nbval's cells out of order, and a second
 #     playwright in one worker refused to start.)
-CHROMIUM = Path(os.environ.get("COURSE_CHROMIUM", "/usr/bin/chromium"))  # as course_lib.browser.chromium()
+CHROMIUM = Path(os.environ.get("COURSE_CHROMIUM", "/usr/bin/chromium"))  # as course_lib.instructor.browser.chromium()
 # COURSE_NCCL_RULES=1: every rank started by the tests, lessons and solutions checks NCCL's rules on gloo
-# (course_lib/nccl_rules.py), so that what passes on a CPU does not fail or hang on GPUs.
+# (course_lib/runtime/nccl_rules.py), so that what passes on a CPU does not fail or hang on GPUs.
 TEST_ENV = {"PYTHONHASHSEED": "0", "MPLBACKEND": "Agg", "COURSE_GRADE_LESSONS": "all", "COURSE_NCCL_RULES": "1"}
 
 
@@ -125,7 +125,7 @@ def run_tests(extra: list[str], browser: str, fast: bool = False) -> int:
     if browser == "only":
         paths = [BROWSER_TEST]
     else:
-        course = [str(BIN / "python"), "-m", "course_lib.cli"]
+        course = [str(BIN / "python"), "-m", "course_lib.instructor.cli"]
         status = subprocess.call([*course, "build", "--check"], cwd=ROOT, env=env)
         if status != 0:
             print("exercises/ is out of date: run `python3 course.py build` and commit the result", file=sys.stderr)

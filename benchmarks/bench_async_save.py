@@ -18,7 +18,7 @@ TARGET = 0.5
 
 
 def main(argv: list[str] | None = None) -> int:
-    from course_lib.hardware import hardware_label
+    from course_lib.measure.hardware import hardware_label
     from course_lib.lessons.l09_training.large_runs import async_save_timing
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

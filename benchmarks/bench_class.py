@@ -54,9 +54,9 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from course_lib import hardware  # noqa: E402
+from course_lib.measure import hardware  # noqa: E402
 from course_lib.grading import grade, jobs, sandbox  # noqa: E402
-from course_lib.grading import notebook as nbio  # noqa: E402
+from course_lib import notebook as nbio  # noqa: E402
 
 LESSON = "02_data_parallel"
 FIRST_ANSWER = "def average_gradients("           # the cell of exercise 02-average-gradients

@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 
 from course_lib.config import ModelConfig
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 
 TARGET = 0.95
 
 
 def _bench(cfg: ModelConfig, batch_per_rank: int, bucket_mb: float, steps: int) -> dict:
     from course_lib import dist as cdist
-    from course_lib.hardware import hardware_label
+    from course_lib.measure.hardware import hardware_label
     from course_lib.lessons.l02_data_parallel.experiments import rank_throughput
 
     stats = rank_throughput(cfg, batch_per_rank, variants=(("own", bucket_mb), ("torch", bucket_mb)),

@@ -27,7 +27,7 @@ def _job():
 
 
 def cold_start(repeats: int) -> None:
-    from course_lib.launch import run
+    from course_lib.runtime.launch import run
 
     walls, breakdowns = [], []
     for _ in range(repeats):
@@ -44,7 +44,7 @@ def cold_start(repeats: int) -> None:
 def tiny_step(steps: int = 20) -> None:
     from course_lib.config import TrainConfig, get_preset
     from course_lib.data import get_batch, synthetic_corpus
-    from course_lib.measure import time_fn
+    from course_lib.measure.speed import time_fn
     from course_lib.model import build_model
 
     cfg = get_preset("tiny")
@@ -68,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from course_lib.hardware import hardware_label
+    from course_lib.measure.hardware import hardware_label
 
     print(f"hardware: {hardware_label()}")
     cold_start(args.repeats)

@@ -24,7 +24,7 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from course_lib.grading import grade, sandbox  # noqa: E402
-from course_lib.procs import usable_cores  # noqa: E402
+from course_lib.runtime.procs import usable_cores  # noqa: E402
 
 SLOW = dict(cell_timeout=600, total_timeout=1800)
 

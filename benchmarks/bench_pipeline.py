@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from course_lib.launch import run
-from course_lib.procs import usable_cores
+from course_lib.runtime.launch import run
+from course_lib.runtime.procs import usable_cores
 
 
 def _bench(cfg, micro_batch, ms, repeats):
     from course_lib import dist as cdist
-    from course_lib.hardware import hardware_label
+    from course_lib.measure.hardware import hardware_label
     from course_lib.lessons.l03_pipeline_parallel.experiments import rank_bubble_sweep, rank_memory
 
     sweep = rank_bubble_sweep(cfg, micro_batch, ms, repeats=repeats)
@@ -36,7 +36,7 @@ def _bench(cfg, micro_batch, ms, repeats):
 def main() -> None:
     from course_lib.lessons.l03_pipeline_parallel.experiments import bubble_config
     from course_lib.theory.pipeline import bubble_fraction
-    from course_lib.units import fmt_bytes
+    from course_lib.measure.units import fmt_bytes
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nprocs", type=int, default=2)

@@ -24,7 +24,7 @@ import time
 
 
 def main() -> None:
-    from course_lib.hardware import GPU_SPECS, hardware_label
+    from course_lib.measure.hardware import GPU_SPECS, hardware_label
     from course_lib.lessons.l08_three_d import published
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -38,7 +38,7 @@ def _job():
 
 
 def trivial_job(fresh_repeats: int = 5, warm_repeats: int = 20) -> None:
-    from course_lib.launch import run
+    from course_lib.runtime.launch import run
 
     def wall(**kw):
         t0 = time.perf_counter()
@@ -114,8 +114,8 @@ def main() -> None:
     parser.add_argument("--lessons", action="store_true", help="also time lessons 00-07 (about 10 minutes)")
     parser.add_argument("--tests", action="store_true", help="also time the test command (about 25 minutes)")
     args = parser.parse_args()
-    from course_lib.hardware import hardware_label
-    from course_lib.launch import resolve_backend
+    from course_lib.measure.hardware import hardware_label
+    from course_lib.runtime.launch import resolve_backend
 
     print(f"hardware: {hardware_label(resolve_backend('auto', 2))}, {os.cpu_count()} logical CPUs")
     trivial_job()

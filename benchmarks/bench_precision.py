@@ -17,9 +17,9 @@ import torch
 
 from course_lib.config import get_preset
 from course_lib.data import random_batches
-from course_lib.hardware import hardware_label
+from course_lib.measure.hardware import hardware_label
 from course_lib.lessons.l06_mixed_precision.experiments import speed_and_memory
-from course_lib.units import fmt_bytes
+from course_lib.measure.units import fmt_bytes
 
 
 def main() -> None:

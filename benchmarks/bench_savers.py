@@ -17,7 +17,7 @@ import argparse
 import torch
 
 from course_lib.config import ModelConfig
-from course_lib.hardware import hardware_label
+from course_lib.measure.hardware import hardware_label
 from course_lib.lessons.l07_memory_savers.experiments import checkpoint_sweep
 from course_lib.lessons.l07_memory_savers.report import checkpoint_table
 

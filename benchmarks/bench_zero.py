@@ -15,7 +15,7 @@ import argparse
 import statistics
 
 from course_lib.config import ModelConfig
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 
 TARGET = 0.8
 
@@ -23,7 +23,7 @@ TARGET = 0.8
 def _bench(cfg: ModelConfig, global_batch: int, steps: int, rounds: int) -> dict:
     from course_lib import dist as cdist
     from course_lib.data import random_batches
-    from course_lib.hardware import hardware_label
+    from course_lib.measure.hardware import hardware_label
     from course_lib.lessons.variants import train_variant
 
     batches = random_batches(cfg, global_batch, steps)

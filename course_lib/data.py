@@ -272,7 +272,7 @@ class WindowLoader:
 
     ``pad_fraction`` f > 0: sequence j of a batch keeps a length drawn uniformly from [ceil((1 - f) T), T] (from
     the batch's position and the seed: the same on every rank); past it, x is 0 and y is ``ignore_index`` (no loss,
-    no token: `course_lib.token_loss`). Every rank draws the whole global batch and takes its rows
+    no token: `course_lib.training.token_loss`). Every rank draws the whole global batch and takes its rows
     (`shard_batch`): ranks' shards concatenated in rank order are the one-process batch.
     """
 

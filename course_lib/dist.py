@@ -1,4 +1,4 @@
-"""Rank helpers used inside a function started by `course_lib.launch.run` (lesson 00).
+"""Rank helpers used inside a function started by `course_lib.runtime.launch.run` (lesson 00).
 
 Inside such a function the default process group is already initialised, so these are thin, readable
 wrappers over `torch.distributed`. Outside a distributed run they answer as a single process

@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from course_lib import notebook as nbio
+
 __all__ = ["TERMS", "HEADING", "chinese", "glossary_rows", "sync_cell", "sync_notebook", "document", "sync_course"]
 
 HEADING = "## Glossary (English / 中文)"
@@ -248,8 +250,6 @@ def sync_cell(markdown: str) -> str:
 
 def sync_notebook(nb) -> bool:
     """Regenerate every glossary table of a notebook in place; True when something changed."""
-    from course_lib.grading import notebook as nbio
-
     changed = False
     for cell in nb["cells"]:
         if cell.get("cell_type") == "markdown":
@@ -262,8 +262,6 @@ def sync_notebook(nb) -> bool:
 
 def document(folders=("notebooks", "solutions"), root: str | Path = ".") -> str:
     """docs/GLOSSARY.md: every term with its Chinese and the lessons whose tables use it."""
-    from course_lib.grading import notebook as nbio
-
     used: dict[str, set[str]] = {}
     for folder in folders:
         for path in sorted((Path(root) / folder).glob("[0-9][0-9]_*.ipynb")):
@@ -286,8 +284,6 @@ def sync_course(root: str | Path, check: bool = False) -> list[str]:
     """Regenerate the glossary tables of ``root``'s notebooks/ and solutions/ and ``docs/GLOSSARY.md`` (with
     ``check=True`` only compare). Returns the stale / rewritten paths. ``course build`` runs it first, so the
     generated exercises carry the same tables."""
-    from course_lib.grading import notebook as nbio
-
     root, changed = Path(root), []
     for folder in ("notebooks", "solutions"):
         for path in sorted((root / folder).glob("[0-9][0-9]_*.ipynb")):

@@ -32,7 +32,7 @@ __all__ = ["GPT", "Block", "CausalSelfAttention", "MLP", "lm_loss", "z_loss", "t
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy: logits (B, T, V), targets (B, T) -> scalar, computed in fp32.
-    Targets equal to -100 (padding) are left out of the mean (`course_lib.token_loss`)."""
+    Targets equal to -100 (padding) are left out of the mean (`course_lib.training.token_loss`)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())   # (B*T, V) vs (B*T,)
 
 
@@ -46,7 +46,7 @@ def z_loss(logits: torch.Tensor, targets: torch.Tensor | None = None, ignore_ind
     It acts on the *output* logits only: it keeps them from drifting (the softmax is unchanged by adding a
     constant to every logit, so cross-entropy alone never pulls them back); it does not touch the attention logits.
     logits (B, T, V); targets (B, T) or None: positions whose target is `ignore_index` are left out.
-    reduction 'mean' (over kept positions) or 'sum' (to divide by a global token count, `course_lib.token_loss`).
+    reduction 'mean' (over kept positions) or 'sum' (to divide by a global token count, `course_lib.training.token_loss`).
     """
     lse = torch.logsumexp(logits.float(), dim=-1)                   # (B, T, V) -> (B, T): log Z per position
     sq = lse.square()

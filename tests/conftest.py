@@ -6,7 +6,7 @@ import psutil
 import pytest
 import torch
 
-from course_lib import pool, procs
+from course_lib.runtime import pool, procs
 
 
 @pytest.fixture(scope="module")

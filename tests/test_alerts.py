@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from course_lib.alerts import SEED_RULES, Alert, AlertEngine, Rule, evaluate
+from course_lib.training.alerts import SEED_RULES, Alert, AlertEngine, Rule, evaluate
 
 DT = 10.0                      # seconds between two observations (a logging interval)
 T0 = 1000.0                    # when the fault starts
@@ -146,7 +146,7 @@ def test_node_failure_rate_is_a_windowed_rate_and_the_rule_rearms():
     """`node_failure_rate` counts the failures of the last hour only (a count since the job began would only grow):
     one of 8 ranks failed at t = 1000 s -> 1/8 until t = 4600 s, then 0; the seed rule (> 5 % for 1 min) fires a
     minute after each failure, clears when the window has passed, and fires again on a later failure."""
-    from course_lib.alerts import FAILURE_WINDOW_S, node_failure_rate
+    from course_lib.training.alerts import FAILURE_WINDOW_S, node_failure_rate
 
     assert FAILURE_WINDOW_S == 3600.0
     assert node_failure_rate([], 5000.0, 8) == 0.0

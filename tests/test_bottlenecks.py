@@ -7,7 +7,8 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from course_lib import hardware, measure  # noqa: E402
+from course_lib.measure import hardware
+from course_lib.measure import speed  # noqa: E402
 from course_lib.lessons.l01_bottlenecks import experiments as bottleneck_lab  # noqa: E402
 from course_lib.lessons.l01_bottlenecks import report as bottleneck_report  # noqa: E402
 from course_lib.theory import comm, flops, memory  # noqa: E402
@@ -122,7 +123,7 @@ def test_counted_flops_splits_matmuls_and_attention():
     assert c["attention"] == flops.attention_flops_per_token(cfg)           # 12 * 2 * 64 * 64 = 98,304
     assert c["matmul"] == 6 * flops.matmul_params(cfg)
     model, idx = build_model(cfg), torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
-    stock = measure.count_flops(lambda: model.loss(idx, idx).backward(), model_flops=False) / idx.numel()
+    stock = speed.count_flops(lambda: model.loss(idx, idx).backward(), model_flops=False) / idx.numel()
     assert stock == c["matmul"]               # the stock counter has no formula for the CPU attention kernel
 
 

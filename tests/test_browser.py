@@ -1,5 +1,5 @@
 """Every lesson in a real JupyterLab 4, in headless Chromium: Run All, no error output, no dialog, every ipywidget
-rendered and reacting to a changed control (course_lib/browser.py says how each is judged).
+rendered and reacting to a changed control (course_lib/instructor/browser.py says how each is judged).
 
 The lessons run at their quick CPU sizes (COURSE_QUICK=1, as `course lab-report --quick`): this test is about
 JupyterLab (Run All, outputs, dialogs, widgets), and nbval runs every lesson at the sizes a learner gets in the same
@@ -24,7 +24,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from course_lib import browser, catalog, cli
+from course_lib.instructor import browser, catalog, cli
 
 pytestmark = pytest.mark.slow     # every lesson in JupyterLab: minutes (`course.py test --fast` leaves it out)
 

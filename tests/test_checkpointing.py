@@ -24,7 +24,7 @@ from course_lib.data import random_batches
 from course_lib.grading.check import CheckFailed
 from course_lib.lessons.l07_memory_savers import checks as savers_checks
 from course_lib.lessons.l07_memory_savers import experiments as savers_lab
-from course_lib.measure import count_flops
+from course_lib.measure.speed import count_flops
 from course_lib.model import build_model
 from course_lib.parallel.checkpointing import (CheckpointedBlock, apply_activation_checkpointing,
                                                checkpointed_segments, recompute_attention_core,

@@ -8,7 +8,9 @@ import sys
 import nbformat
 from nbformat.v4 import new_code_cell, new_notebook
 
-from course_lib import cli, comparisons, procs
+from course_lib.instructor import cli
+from course_lib.measure import comparisons
+from course_lib.runtime import procs
 
 
 def test_doctor_passes_and_names_where_time_went(capsys):
@@ -29,7 +31,7 @@ def _notebook(path, *sources):
 
 def test_run_keeps_executed_copy_and_fails_on_error(tmp_path, capsys, monkeypatch):
     good = _notebook(tmp_path / "01_good.ipynb", "x = 6 * 7", "print('answer', x)",
-                     "from course_lib.comparisons import compare\ncompare('x', x, 42, rtol=0, hardware='test')")
+                     "from course_lib.measure.comparisons import compare\ncompare('x', x, 42, rtol=0, hardware='test')")
     assert cli.run_notebook(good, tmp_path / "out") == 0
     executed = nbformat.read(tmp_path / "out" / "01_good.executed.ipynb", as_version=4)
     assert executed.cells[1].outputs[0]["text"] == "answer 42\n"
@@ -39,7 +41,7 @@ def test_run_keeps_executed_copy_and_fails_on_error(tmp_path, capsys, monkeypatc
 
     # A notebook that starts a torchrun job and then fails: exit 1, the failing cell named, nothing left behind.
     bad = _notebook(tmp_path / "02_bad.ipynb",
-                    "from course_lib.launch import run\n"
+                    "from course_lib.runtime.launch import run\n"
                     "def f():\n    import time; time.sleep(600)\n"
                     "import threading\n"
                     "threading.Thread(target=lambda: run(f, 2, stream=False), daemon=True).start()\n"
@@ -54,9 +56,9 @@ def test_run_keeps_executed_copy_and_fails_on_error(tmp_path, capsys, monkeypatc
 
 
 def test_cli_entry_points():
-    out = subprocess.run([sys.executable, "-m", "course_lib.cli", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "course_lib.instructor.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     for command in ("doctor", "lab", "run", "build", "grade", "lab-report"):
         assert command in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "course_lib.cli", "run", "77"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "course_lib.instructor.cli", "run", "77"], capture_output=True, text=True)
     assert bad.returncode == 2 and "no lesson 77" in bad.stderr

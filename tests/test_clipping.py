@@ -21,7 +21,7 @@ from course_lib import dist as cdist
 from course_lib.config import small_config
 from course_lib.data import random_batches, shard_batch
 from course_lib.dist import ProcessGrid
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 from course_lib.lessons.errors import relative_error
 from course_lib.lessons.l09_training.experiments import dp_tp_gradients
 from course_lib.model import build_model

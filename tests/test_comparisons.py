@@ -1,4 +1,4 @@
-"""Every lesson records its comparisons as data (issue 18): each calls `course_lib.comparisons.compare` at least
+"""Every lesson records its comparisons as data (issue 18): each calls `course_lib.measure.comparisons.compare` at least
 twice, every call names its hardware and its reference, names are unique within a lesson, and the lesson prints which
 sizes ran.
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.grading import notebook as nbio
+from course_lib import notebook as nbio
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -32,9 +32,9 @@ def _compare_calls(tree: ast.AST) -> list[ast.Call]:
 def test_lesson_records_comparisons(name):
     src = _code(name)
     tree = ast.parse(src)
-    assert "from course_lib.comparisons import compare" in src, f"{name}: import compare from course_lib.comparisons"
+    assert "from course_lib.measure.comparisons import compare" in src, f"{name}: import compare from course_lib.measure.comparisons"
     local = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "compare"]
-    assert not local, f"{name}: a local function named compare hides course_lib.comparisons.compare"
+    assert not local, f"{name}: a local function named compare hides course_lib.measure.comparisons.compare"
     calls = _compare_calls(tree)
     assert len(calls) >= 2, f"{name}: {len(calls)} compare(...) calls, at least 2 expected"
     for call in calls:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from course_lib import theory
 from course_lib.config import get_preset
 from course_lib.data import random_batches
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 from course_lib.one_process import train_reference
 from course_lib.parallel import block_attention
 from course_lib.parallel.block_attention import attend_block, blockwise_attention, merge_partials
@@ -221,8 +221,8 @@ def _cp_group(cp: int):
 def _run_variant(cfg, batches, variant, split, group, lr, measure=True):
     """Train a CP model on `batches` (SGD): losses, first gradients, parameters, last logits, counts per layer."""
     from course_lib import dist as cdist
-    from course_lib.collective_counter import CollectiveCounter
-    from course_lib.memory_stats import SavedActivations
+    from course_lib.measure.collective_counter import CollectiveCounter
+    from course_lib.measure.memory_stats import SavedActivations
     from course_lib.model import build_model, lm_loss
     from course_lib.one_process import grads_of, params_of
     from course_lib.parallel import context

@@ -26,7 +26,7 @@ import torch
 
 from course_lib.config import get_preset
 from course_lib.data import random_batches
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 from course_lib.one_process import train_reference
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the rank functions below travel by value

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from course_lib import dist as cdist
 from course_lib.config import small_config
 from course_lib.data import random_batches
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 from course_lib.lessons.l02_data_parallel import experiments as ddp_lab
 from course_lib.model import build_model, lm_loss
 from course_lib.one_process import grads_of, params_of, train_reference

@@ -25,7 +25,7 @@ import torch.nn as nn
 from course_lib.config import small_config
 from course_lib.data import random_batches, shard_batch
 from course_lib.dist import device
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 from course_lib.lessons.errors import max_abs_error, relative_error
 from course_lib.model import build_model, lm_loss
 from course_lib.parallel import dist_checkpoint as ckpt

@@ -25,7 +25,7 @@ import torch
 from course_lib import theory
 from course_lib.config import get_preset
 from course_lib.data import random_batches
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 from course_lib.lessons.l11_experts import experiments as moe_lab
 from course_lib.model import build_model
 from course_lib.one_process import grads_of, params_of, train_reference
@@ -223,7 +223,7 @@ def _run_ep(cfg, batches, top_k, cf, ep, lr, gamma=None, bias_group=None):
     import torch.distributed as dist
 
     from course_lib import dist as cdist
-    from course_lib.collective_counter import CollectiveCounter
+    from course_lib.measure.collective_counter import CollectiveCounter
     from course_lib.data import shard_batch
     from course_lib.parallel.experts import ExpertGroups, apply_expert_parallel, sync_expert_parallel_grads
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from course_lib import cli, gpu_check
+from course_lib.instructor import cli, gpu_check
 
 
 def test_gpu_check_passes_on_this_machine(capsys):

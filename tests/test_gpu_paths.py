@@ -2,7 +2,7 @@
 
 No GPU is needed: what is checked is the decision each branch takes (which backend, which device, which datasheet row,
 which sizes, which label), not CUDA itself. NCCL's own rules (devices, message order, synchronize) are checked on every
-real run of the test command by `course_lib.nccl_rules` (tests/test_nccl_rules.py).
+real run of the test command by `course_lib.runtime.nccl_rules` (tests/test_nccl_rules.py).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from course_lib import dist as cdist
-from course_lib import gpu_check, hardware, measure
-from course_lib.launch import LaunchError, resolve_backend
+from course_lib.instructor import gpu_check
+from course_lib.measure import hardware, speed
+from course_lib.runtime.launch import LaunchError, resolve_backend
 from course_lib.lessons import sizes
 from course_lib.parallel import deepspeed_config
 
@@ -90,7 +91,7 @@ def test_deepspeed_fp16_follows_the_device(fake_gpus, monkeypatch):
 
 def test_peak_flops_uses_the_row_of_the_device(fake_gpus):
     fake_gpus(["NVIDIA L40S"])
-    peak, source = measure.peak_flops("cuda:0")
+    peak, source = speed.peak_flops("cuda:0")
     assert peak == pytest.approx(362.05e12) and "L40S 48GB" in source     # not the L4's row (121)
 
 
@@ -105,13 +106,13 @@ def test_gpu_check_inventory_names_the_row_of_each_gpu(fake_gpus, monkeypatch):
 
 
 def test_a_warm_rank_on_a_gpu_starts_each_run_with_fresh_memory_stats(fake_gpus, monkeypatch):
-    """A pool's rank (course_lib._pool_worker) on a GPU: peak-memory statistics reset before every run, as a new
+    """A pool's rank (course_lib.runtime._pool_worker) on a GPU: peak-memory statistics reset before every run, as a new
     process has them; after the run the GPU's work is waited for and its cached blocks returned (nothing pending:
     the run is over)."""
     import gc
     import os
 
-    from course_lib import _pool_worker
+    from course_lib.runtime import _pool_worker
 
     fake_gpus(["NVIDIA H100 80GB HBM3"] * 2)
     calls = []
@@ -131,7 +132,7 @@ def test_a_warm_rank_on_a_gpu_starts_each_run_with_fresh_memory_stats(fake_gpus,
 def test_two_nodes_on_one_gpu_machine_get_their_own_gpus(monkeypatch, tmp_path):
     """`run_nodes` on a machine with 8 GPUs (mocked): each of the 2 launchers of 4 ranks sees its own 4 GPUs, so that
     LOCAL_RANK 0-3 on both "nodes" do not land on the same devices; all meet at one c10d endpoint on loopback."""
-    from course_lib import launch
+    from course_lib.runtime import launch
 
     monkeypatch.setattr(launch, "_gpu_count", lambda: 8)
     nodes = launch._node_commands(["-m", "x"], 8, 2, None, {"A": "1"}, tmp_path)
@@ -146,7 +147,7 @@ def test_two_nodes_on_one_gpu_machine_get_their_own_gpus(monkeypatch, tmp_path):
 def test_training_script_keeps_the_seeds_deepspeed_config_as_written_on_a_gpu(fake_gpus, monkeypatch):
     """Lesson 09's script adapts seed 004's DeepSpeed JSON only where a CPU needs it: on a GPU its fp16 and its
     fused AdamW stay as written; on a CPU without fp16 kernels, bf16 and torch's AdamW."""
-    from course_lib import train
+    from course_lib.training import train
     from course_lib.lessons.l09_training.experiments import CONFIGS
 
     seed = f"{CONFIGS}/seed004_deepspeed.toml"
@@ -163,10 +164,10 @@ def test_training_script_keeps_the_seeds_deepspeed_config_as_written_on_a_gpu(fa
 
 
 def test_a_warm_rank_whose_run_failed_exits_under_nccl_and_stays_only_under_gloo():
-    """The pool worker's one decision after a failed job (course_lib/_pool_worker.py): a Python exception under gloo
+    """The pool worker's one decision after a failed job (course_lib/runtime/_pool_worker.py): a Python exception under gloo
     keeps the rank (it rejoins a new group); under NCCL, or on KeyboardInterrupt / SystemExit, the rank exits and the
     pool is discarded (a GPU pool is never asked to rejoin: test_pool's exception case covers the gloo side)."""
-    from course_lib._pool_worker import stays_after_failure
+    from course_lib.runtime._pool_worker import stays_after_failure
 
     assert stays_after_failure(ValueError("boom"), "gloo")
     assert stays_after_failure(RuntimeError("Connection closed by peer"), "gloo")
@@ -180,7 +181,7 @@ def test_the_global_token_count_is_all_reduced_on_the_ranks_device(monkeypatch):
     """Under NCCL a collective's tensor must live on the rank's GPU (the bug CI's NCCL-rule check caught in lesson 09:
     a CPU count built without a device). `dist.device()` stands in here as the meta device, which no CPU default
     reaches; the caller's count is left where it was."""
-    from course_lib import token_loss
+    from course_lib.training import token_loss
 
     seen = []
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)

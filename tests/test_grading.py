@@ -20,10 +20,12 @@ import nbformat
 import psutil
 import pytest
 
-from course_lib import procs, reference
+from course_lib import reference
+from course_lib.runtime import procs
 from course_lib.grading import build as gbuild
 from course_lib.grading import commands, grade
-from course_lib.grading import notebook as nbio
+from course_lib import notebook as nbio
+from course_lib.grading import authoring
 from course_lib.grading.check import CheckFailed, check_close, check_equal, check_shape, check_true
 
 pytestmark = pytest.mark.slow     # grades every notebook of the course: minutes (`course.py test --fast` leaves it out)
@@ -58,7 +60,7 @@ def graded(tmp_path_factory):
     shutil.copytree(FX_SOLUTIONS, tamper_solutions)
     outside = tmp / "outside" / "escaped.txt"
     outside.parent.mkdir()
-    before = {"repo": nbio.tree_hash(SOLUTIONS), "fixture": nbio.tree_hash(FX_SOLUTIONS)}
+    before = {"repo": authoring.tree_hash(SOLUTIONS), "fixture": authoring.tree_hash(FX_SOLUTIONS)}
     os.environ["GRADING_FIXTURE_OUTSIDE"] = str(outside)
     os.environ["GRADING_FIXTURE_TAMPER"] = str(tamper_solutions / "fx_basics.ipynb")
 
@@ -111,7 +113,7 @@ def graded(tmp_path_factory):
     finally:
         os.environ.pop("GRADING_FIXTURE_OUTSIDE", None)
         os.environ.pop("GRADING_FIXTURE_TAMPER", None)
-    after = {"repo": nbio.tree_hash(SOLUTIONS), "fixture": nbio.tree_hash(FX_SOLUTIONS)}
+    after = {"repo": authoring.tree_hash(SOLUTIONS), "fixture": authoring.tree_hash(FX_SOLUTIONS)}
     for k, r in sorted(results.items()):
         print(f"{k:40s} {r['points']:g}/{r['max']:g}  {r.get('seconds', 0):.1f} s  "
               f"(runner {r.get('run_seconds')} s, {r.get('restarts')} restarts, rss {r.get('runner_max_rss_mb')} MB)")
@@ -125,7 +127,7 @@ def cheating_copy(nb, cheats: dict) -> dict:
     defines its answer by calling the course's own implementation."""
     cells, done = [], set()
     for cell in nb.cells:
-        info = nbio.test_info(cell)
+        info = authoring.test_info(cell)
         if info and info["exercise"] in cheats and info["exercise"] not in done:
             done.add(info["exercise"])
             cells.append(nbformat.v4.new_code_cell(cheats[info["exercise"]][0]))
@@ -209,33 +211,33 @@ def test_build_output_is_a_clean_deterministic_student_copy(tmp_path):
         assert text == gbuild.expected_files(SOLUTIONS)[path.name]  # deterministic
         ex = nbformat.reads(text, as_version=4)
         sol = nbio.read(path)
-        assert nbio.BEGIN not in text and nbio.END not in text
-        assert not any(nbio.test_info(c)["hidden"] for c in ex.cells if nbio.is_test(c))
+        assert authoring.BEGIN not in text and authoring.END not in text
+        assert not any(authoring.test_info(c)["hidden"] for c in ex.cells if authoring.is_test(c))
         for c in ex.cells:
             if c.cell_type == "code":
                 assert c.outputs == [] and c.execution_count is None
-        n_regions = sum(nbio.source(c).count(nbio.BEGIN) for c in sol.cells)
+        n_regions = sum(nbio.source(c).count(authoring.BEGIN) for c in sol.cells)
         assert text.count("raise NotImplementedError(") == n_regions > 0
-        visible = [c for c in sol.cells if not (nbio.is_test(c) and nbio.test_info(c)["hidden"])]
+        visible = [c for c in sol.cells if not (authoring.is_test(c) and authoring.test_info(c)["hidden"])]
         assert len(ex.cells) == len(visible)
         for a, b in zip(visible, ex.cells):  # everything but the answers is kept
-            if not nbio.has_solution(a):
+            if not authoring.has_solution(a):
                 assert a.source == b.source and a.metadata.get("course") == b.metadata.get("course")
 
 
 def test_strip_solution_keeps_indentation_and_names_the_hint_call():
     src = ("def f(x):\n    ### BEGIN SOLUTION\n    ### HINT 1: x, twice\n    ### HINT 2: the + operator\n"
            "    return x + x\n    ### END SOLUTION\n\ny = 1\n### BEGIN SOLUTION\ny = 2\n### END SOLUTION\nprint(y)")
-    out = nbio.strip_solution(src, exercise="09-double")
-    stub = nbio.stub_message("09-double")
+    out = authoring.strip_solution(src, exercise="09-double")
+    stub = authoring.stub_message("09-double")
     assert out == (f'def f(x):\n    raise NotImplementedError({json.dumps(stub)})\n\ny = 1\n'
                    f'raise NotImplementedError({json.dumps(stub)})\nprint(y)')
     assert "hint('09-double')" in stub and "twice" not in out and "operator" not in out
-    assert nbio.hints_of(src) == [["x, twice"], ["the + operator"]]
-    assert "GENERIC" not in nbio.strip_solution("### BEGIN SOLUTION\nx=1\n### END SOLUTION")
+    assert authoring.hints_of(src) == [["x, twice"], ["the + operator"]]
+    assert "GENERIC" not in authoring.strip_solution("### BEGIN SOLUTION\nx=1\n### END SOLUTION")
     for bad in ("### BEGIN SOLUTION\nx", "### END SOLUTION", "### BEGIN SOLUTION\n### BEGIN SOLUTION\n"):
         with pytest.raises(nbio.NotebookError):
-            nbio.strip_solution(bad)
+            authoring.strip_solution(bad)
 
 
 def test_hints_come_in_two_steps_and_never_hold_the_solution(capsys):
@@ -249,7 +251,7 @@ def test_hints_come_in_two_steps_and_never_hold_the_solution(capsys):
         for i, ex in gbuild.answer_exercises(nb).items():
             assert all(hints[ex]), f"{path.name}: {ex} needs a ### HINT 1 and a ### HINT 2"
             src = nbio.source(nb.cells[i])
-            body = src[src.index(nbio.BEGIN):src.rindex(nbio.END)]
+            body = src[src.index(authoring.BEGIN):src.rindex(authoring.END)]
             for line in body.splitlines():
                 code = line.strip()
                 if len(code) > 12 and not code.startswith("#"):
@@ -299,8 +301,8 @@ def test_assemble_restores_official_tests_and_keeps_student_cells():
     official = nbio.read(FX_SOLUTIONS / "fx_basics.ipynb")
     sub = nbio.read(FIX / "hostile" / "edited_tests.ipynb")
     nb = grade.assemble(sub, official)
-    official_tests = [c.source for c in official.cells if nbio.is_test(c)]
-    got_tests = [c.source for c in nb.cells if nbio.is_test(c)]
+    official_tests = [c.source for c in official.cells if authoring.is_test(c)]
+    got_tests = [c.source for c in nb.cells if authoring.is_test(c)]
     assert sorted(got_tests) == sorted(official_tests)  # hidden included, edits and duplicates gone
     assert any("tests? what tests" in c.source for c in nb.cells)  # student cells kept
     assert len({c.id for c in nb.cells}) == len(nb.cells)

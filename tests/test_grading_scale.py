@@ -24,9 +24,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from course_lib import procs
+from course_lib.runtime import procs
 from course_lib.grading import commands, grade, jobs, regrade, shards
-from course_lib.grading import notebook as nbio
+from course_lib import notebook as nbio
+from course_lib.grading import authoring
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures" / "grading"
@@ -41,7 +42,7 @@ COMMON = ["--solutions", str(FX_SOLUTIONS), "--cell-timeout", "60", "--memory-mb
 def edited(old: str, new: str, src: Path = CORRECT):
     """The correct submission with one answer cell's text replaced."""
     nb = nbio.read(src)
-    cell = next(c for c in nb.cells if old in nbio.source(c) and not nbio.is_test(c))
+    cell = next(c for c in nb.cells if old in nbio.source(c) and not authoring.is_test(c))
     cell.source = nbio.source(cell).replace(old, new)
     return nb
 
@@ -50,7 +51,7 @@ def insert_cell(nb, exercise: str, code: str):
     """``nb`` with a learner's code cell put just before the first test cell of ``exercise``."""
     import nbformat
     nb = copy.deepcopy(nb)
-    at = next(i for i, c in enumerate(nb.cells) if (nbio.test_info(c) or {}).get("exercise") == exercise)
+    at = next(i for i, c in enumerate(nb.cells) if (authoring.test_info(c) or {}).get("exercise") == exercise)
     nb.cells.insert(at, nbformat.v4.new_code_cell(code))
     return nb
 

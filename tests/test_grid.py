@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 
 
 def _grid(monkeypatch, world: int, r: int, **sizes) -> cdist.ProcessGrid:

@@ -24,9 +24,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from course_lib import cli, gpus, lab_report, procs
+from course_lib.instructor import cli
+from course_lib.runtime import gpus
+from course_lib.instructor import lab_report
+from course_lib.runtime import procs
 from course_lib import dist as cdist
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 
 INDEX_PATH = "/lab/tree/notebooks/index.ipynb"
 
@@ -223,7 +226,7 @@ def test_course_lab_prints_the_index_url_and_the_tunnel_and_stops_cleanly(tmp_pa
                **{procs.TAG_VAR: tag})
     env.pop("MPLBACKEND", None)
     with open(tmp_path / "jupyter.log", "w") as log:
-        lab = subprocess.Popen([sys.executable, "-m", "course_lib.cli", "lab", "--no-browser", "--port", str(port)],
+        lab = subprocess.Popen([sys.executable, "-m", "course_lib.instructor.cli", "lab", "--no-browser", "--port", str(port)],
                                cwd=cli.ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                stderr=log, text=True)
     lines: list[str] = []

@@ -18,8 +18,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib import browser, comparisons, lab_report
-from course_lib.comparisons import compare
+from course_lib.instructor import browser
+from course_lib.measure import comparisons
+from course_lib.instructor import lab_report
+from course_lib.measure.comparisons import compare
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,7 +73,7 @@ def _lesson(path: Path, *cells: str) -> None:
 
 
 def _course(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "course_lib.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "course_lib.instructor.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 
@@ -114,7 +116,7 @@ def _page(path: Path) -> _Page:
 def test_exit_code_json_and_html_follow_a_failed_comparison_and_a_failed_lesson(tmp_path):
     lessons, out = tmp_path / "lessons", tmp_path / "report"
     lessons.mkdir()
-    head = "from course_lib.comparisons import compare"
+    head = "from course_lib.measure.comparisons import compare"
     _lesson(lessons / "00_good.ipynb", head, PLOT, "compare('fixture sum', 1 + 2, 3, rtol=0, hardware='fixture cpu')")
     _lesson(lessons / "01_off.ipynb", head, "compare('fixture off', 1.2, 1.0, hardware='fixture cpu')",
             "compare('fixture band', 2.0, (1, 3), unit='x', against='a library', hardware='fixture cpu')")
@@ -157,7 +159,7 @@ def test_exit_code_json_and_html_follow_a_failed_comparison_and_a_failed_lesson(
 
 def test_the_self_test_table_and_its_failures_reach_the_report(tmp_path):
     """`course gpu-check`'s rows (run for real in tests/test_gpu_check.py) in the report: a failed check fails it."""
-    from course_lib.gpu_check import Check
+    from course_lib.instructor.gpu_check import Check
 
     checks = [Check("ring all-reduce, 2 ranks", "exact sum", "exact sum", True),
               Check("bf16 matmul vs datasheet", "50-95 % of peak", "not a GPU", None),

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
-from course_lib import procs
+from course_lib.runtime import procs
 from course_lib.dist import pick_backend
-from course_lib.launch import DistributedRunError, LaunchError, RunInterrupted, RunTimeout, run, run_nodes, run_script
+from course_lib.runtime.launch import DistributedRunError, LaunchError, RunInterrupted, RunTimeout, run, run_nodes, run_script
 
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")   # (tests/conftest.py)

@@ -134,7 +134,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_module_has_a_layer():
     graph = import_graph()
-    assert "course_lib.measure" in graph and "course_lib.lessons.l02_data_parallel.experiments" in graph
+    assert "course_lib.measure.speed" in graph and "course_lib.lessons.l02_data_parallel.experiments" in graph
     missing = sorted(m for m in graph if m != "course_lib" and layer_of(m) is None)
     assert not missing, f"{missing}: put each new module in a layer of LAYERS (tests/test_layout.py)"
 
@@ -153,16 +153,16 @@ def test_the_rules_reject_a_back_stair_and_a_circle():
     """Each rule fails where it must: synthetic graphs, not the course's."""
     back_stair = {"course_lib.model": {"course_lib.parallel.ddp"}, "course_lib.parallel.ddp": set()}
     assert upward_imports(back_stair) == ["course_lib.model (base) imports course_lib.parallel.ddp (techniques)"]
-    tool_into_lesson = {"course_lib.gpu_check": {"course_lib.lessons.l03_pipeline_parallel.experiments"}}
+    tool_into_lesson = {"course_lib.instructor.gpu_check": {"course_lib.lessons.l03_pipeline_parallel.experiments"}}
     assert len(upward_imports(tool_into_lesson)) == 1
-    lesson_into_tool = {"course_lib.lessons.variants": {"course_lib.cli"}}
+    lesson_into_tool = {"course_lib.lessons.variants": {"course_lib.instructor.cli"}}
     assert len(upward_imports(lesson_into_tool)) == 1
-    downward = {"course_lib.cli": {"course_lib.lab_report", "course_lib.grading.commands"},
-                "course_lib.lessons.variants": {"course_lib.parallel.zero", "course_lib.train"}}
+    downward = {"course_lib.instructor.cli": {"course_lib.instructor.lab_report", "course_lib.grading.commands"},
+                "course_lib.lessons.variants": {"course_lib.parallel.zero", "course_lib.training.train"}}
     assert upward_imports(downward) == []
-    circle = {"course_lib.cli": {"course_lib.lab_report"}, "course_lib.lab_report": {"course_lib.catalog",
-              "course_lib.cli"}, "course_lib.catalog": set()}
-    assert import_cycles(circle) == [["course_lib.cli", "course_lib.lab_report"]]
+    circle = {"course_lib.instructor.cli": {"course_lib.instructor.lab_report"}, "course_lib.instructor.lab_report": {"course_lib.instructor.catalog",
+              "course_lib.instructor.cli"}, "course_lib.instructor.catalog": set()}
+    assert import_cycles(circle) == [["course_lib.instructor.cli", "course_lib.instructor.lab_report"]]
     long_circle = {"course_lib.a": {"course_lib.b"}, "course_lib.b": {"course_lib.c"}, "course_lib.c": {"course_lib.a"}}
     assert import_cycles(long_circle) == [["course_lib.a", "course_lib.b", "course_lib.c"]]
     assert import_cycles({"course_lib.a": {"course_lib.a"}}) == [["course_lib.a"]]

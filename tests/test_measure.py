@@ -1,28 +1,28 @@
-"""course_lib.measure: timers, FLOP counting, exact memory accounting (lesson 01)."""
+"""course_lib.measure.speed: timers, FLOP counting, exact memory accounting (lesson 01)."""
 
 import pytest
 import torch
 import torch.nn as nn
 
-from course_lib import hardware, measure, memory_stats, units
+from course_lib.measure import hardware, memory_stats, speed, units
 
 
 def test_time_fn_median_and_timer():
     calls = []
-    t = measure.time_fn(lambda: calls.append(1), warmup=2, repeats=3)
+    t = speed.time_fn(lambda: calls.append(1), warmup=2, repeats=3)
     assert len(calls) == 5 and t >= 0
-    all_t = measure.time_fn(lambda: None, warmup=0, repeats=4, return_all=True)
+    all_t = speed.time_fn(lambda: None, warmup=0, repeats=4, return_all=True)
     assert len(all_t) == 4
-    with measure.Timer() as timer:
+    with speed.Timer() as timer:
         sum(range(100))
     assert timer.seconds > 0
     with pytest.raises(ValueError):
-        measure.time_fn(lambda: None, repeats=0)
+        speed.time_fn(lambda: None, repeats=0)
 
 
 def test_throughput_and_mfu():
-    assert measure.tokens_per_s(1000, 0.5) == 2000
-    assert measure.mfu(50e12, 100e12) == pytest.approx(0.5)
+    assert speed.tokens_per_s(1000, 0.5) == 2000
+    assert speed.mfu(50e12, 100e12) == pytest.approx(0.5)
 
 
 # What torch.cuda.get_device_name returns on each device, and the row (and dense bf16 peak) it must get. A name
@@ -65,21 +65,21 @@ def test_hardware_label_names_backend():
 
 
 def test_measured_peak_is_positive():
-    peak = measure.measure_peak_matmul_flops("cpu", n=256)
+    peak = speed.measure_peak_matmul_flops("cpu", n=256)
     assert peak > 1e8  # any CPU does > 0.1 GFLOP/s on a 256^3 matmul
 
 
 def test_count_flops_of_linear_and_cpu_attention():
     lin = nn.Linear(32, 16, bias=True)
     x = torch.randn(8, 32, requires_grad=True)
-    assert measure.count_flops(lambda: lin(x)) == 2 * 8 * 32 * 16
-    assert measure.count_flops(lambda: lin(x).sum().backward()) == 3 * 2 * 8 * 32 * 16
+    assert speed.count_flops(lambda: lin(x)) == 2 * 8 * 32 * 16
+    assert speed.count_flops(lambda: lin(x).sum().backward()) == 3 * 2 * 8 * 32 * 16
     # The stock counter has no formula for the CPU attention kernel; ours counts QK^T and PV.
     q = torch.randn(2, 4, 16, 8, requires_grad=True)
     fwd = 2 * (2 * 2 * 4 * 16 * 16 * 8)
     f = torch.nn.functional.scaled_dot_product_attention
-    assert measure.count_flops(lambda: f(q, q, q, is_causal=True)) == fwd
-    assert measure.count_flops(lambda: f(q, q, q, is_causal=True).sum().backward()) == 3 * fwd
+    assert speed.count_flops(lambda: f(q, q, q, is_causal=True)) == fwd
+    assert speed.count_flops(lambda: f(q, q, q, is_causal=True).sum().backward()) == 3 * fwd
 
 
 def _mlp():

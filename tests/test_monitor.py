@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib.monitor import JSONL_NAME, LivePlot, MetricsWriter, follow, read_scalars
+from course_lib.training.monitor import JSONL_NAME, LivePlot, MetricsWriter, follow, read_scalars
 
 
 def _metrics(step: int) -> dict:
@@ -97,7 +97,7 @@ def test_live_plot_in_a_notebook_updates_one_display_in_place(monkeypatch):
     """In Jupyter: shown once with a display_id, then that display is updated (no new output per update)."""
     import IPython.display
 
-    from course_lib import monitor
+    from course_lib.training import monitor
 
     shown = []
 

@@ -1,4 +1,4 @@
-"""NCCL's rules checked on gloo (course_lib/nccl_rules.py), and the GPU paths of the course run on a CPU.
+"""NCCL's rules checked on gloo (course_lib/runtime/nccl_rules.py), and the GPU paths of the course run on a CPU.
 
 The test command runs every distributed test, lesson and solution with ``COURSE_NCCL_RULES=1``, so the course's own
 code is checked everywhere; here the checker itself must catch what would fail or hang on GPUs: a CPU tensor in a
@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
-from course_lib import measure, nccl_rules
-from course_lib.launch import DistributedRunError, run
+from course_lib.measure import speed
+from course_lib.runtime import nccl_rules
+from course_lib.runtime.launch import DistributedRunError, run
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the rank functions below travel by value
 
@@ -115,7 +116,7 @@ def _cases(batch):
         if dist.get_rank() == 0:
             work = dist.irecv(torch.empty(4, device=dev), 1)
             try:
-                measure.synchronize(dev)                                 # what a timer does
+                speed.synchronize(dev)                                 # what a timer does
             finally:
                 work.wait()
         else:

@@ -17,7 +17,7 @@ import torch
 from course_lib import theory
 from course_lib.config import ConfigError
 from course_lib.data import random_batches
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 from course_lib.lessons.l03_pipeline_parallel import experiments as pipeline_lab
 from course_lib.model import build_model
 from course_lib.one_process import train_reference

@@ -20,10 +20,10 @@ import torch
 
 from course_lib import theory
 from course_lib.data import random_batches
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 from course_lib.lessons.l03_pipeline_parallel import experiments as pipeline_lab
 from course_lib.model import build_model
-from course_lib.nccl_rules import replay_pairs
+from course_lib.runtime.nccl_rules import replay_pairs
 from course_lib.one_process import train_reference
 from course_lib.parallel.pipeline import build_chunks, run_schedule
 from course_lib.parallel.pipeline_messages import adjacent_plan, p2p_plan

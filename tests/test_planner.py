@@ -10,7 +10,7 @@ import math
 import pytest
 
 from course_lib.config import get_preset
-from course_lib.hardware import GPU_SPECS
+from course_lib.measure.hardware import GPU_SPECS
 from course_lib.lessons.l08_three_d.simulate import LAYOUTS, fake_group_shards
 from course_lib.theory import comm, pipeline
 from course_lib.theory.memory import zero_model_state_bytes

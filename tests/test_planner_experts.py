@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from course_lib.config import get_preset
-from course_lib.hardware import GPU_SPECS
+from course_lib.measure.hardware import GPU_SPECS
 from course_lib.lessons.l08_three_d import published
 from course_lib.theory import experts, planner
 from course_lib.theory.planner import Cluster, Layout, MoESpec, estimate

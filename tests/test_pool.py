@@ -1,4 +1,4 @@
-"""Warm ranks (course_lib.pool): the same results as fresh processes, a clean state for every run, faults
+"""Warm ranks (course_lib.runtime.pool): the same results as fresh processes, a clean state for every run, faults
 reported as a fresh run reports them, and nothing left behind, even when the owner is killed."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib import pool
+from course_lib.runtime import pool
 from course_lib.config import small_config
 from course_lib.data import random_batches
-from course_lib.launch import DistributedRunError, RunInterrupted, RunTimeout, run
+from course_lib.runtime.launch import DistributedRunError, RunInterrupted, RunTimeout, run
 from course_lib.lessons.variants import train_variant
 
 pytestmark = pytest.mark.usefixtures("pools_on", "no_leftovers")   # (tests/conftest.py)
@@ -68,7 +68,7 @@ def _leave_a_mess():
     import torch.nn.functional as F
 
     import course_lib.model
-    from course_lib import measure, units
+    from course_lib.measure import speed, units
 
     dist.new_group([0, 1])
     from torch.distributed.device_mesh import init_device_mesh
@@ -76,7 +76,7 @@ def _leave_a_mess():
     init_device_mesh("cpu", (2,))
     course_lib.model.GPT.leaked = 1                        # a class attribute added ...
     units.fmt_bytes = lambda n: "patched"                  # ... a library function replaced, a global added ...
-    measure.LEAKED_GLOBAL = 1
+    speed.LEAKED_GLOBAL = 1
     F.gelu = lambda x, **kw: x                             # ... and a torch function
     torch.set_num_threads(2)
     torch.set_default_dtype(torch.float64)
@@ -95,7 +95,7 @@ def _look_around():
     import torch.distributed.distributed_c10d as c10d
 
     import course_lib.model
-    from course_lib import measure, units
+    from course_lib.measure import speed, units
 
     return {"pid": os.getpid(), "groups": len(c10d._world.pg_map),
             "leaked": hasattr(course_lib.model.GPT, "leaked") or hasattr(measure, "LEAKED_GLOBAL"),
@@ -211,7 +211,7 @@ def test_pool_off_and_concurrent_runs_start_fresh_processes(monkeypatch):
 def test_a_killed_owner_leaves_no_rank_behind(tmp_path):
     """A kernel killed with SIGKILL runs no atexit: the ranks notice that their owner is gone and exit."""
     code = ("import os, sys\n"
-            "from course_lib.launch import run\n"
+            "from course_lib.runtime.launch import run\n"
             "from course_lib import pool\n"
             "def pid():\n    return os.getpid()\n"
             "run(pid, 2, stream=False)\n"

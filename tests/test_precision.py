@@ -18,8 +18,8 @@ import torch
 
 from course_lib.config import small_config
 from course_lib.data import random_batches
-from course_lib.hardware import cpu_features
-from course_lib.launch import run
+from course_lib.measure.hardware import cpu_features
+from course_lib.runtime.launch import run
 from course_lib.lessons.l06_mixed_precision import checks as precision_checks
 from course_lib.lessons.l06_mixed_precision import experiments as precision_lab
 from course_lib.model import build_model

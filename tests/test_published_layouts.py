@@ -14,7 +14,7 @@ from course_lib.config import ModelConfig, get_preset
 from course_lib.lessons.l08_three_d import published
 from course_lib.lessons.l08_three_d.published import (LEFT_OUT, PUBLISHED, SEED_EFFICIENCY, check_all,
                                                       efficiency_estimates, method_by_size)
-from course_lib.hardware import GPU_SPECS
+from course_lib.measure.hardware import GPU_SPECS
 from course_lib.theory.planner import Cluster, GiB, model_state_bytes, plan, position_params, stage_params
 
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
-from course_lib import pool
-from course_lib.launch import DistributedRunError, RunResult, RunTimeout, _failure, run
+from course_lib.runtime import pool
+from course_lib.runtime.launch import DistributedRunError, RunResult, RunTimeout, _failure, run
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the rank functions below travel by value
 
@@ -90,7 +90,7 @@ def _report(entries: list[tuple[int, int, int]], stopped: list[int]) -> str:
     its report; the last entry is the "Root Cause" (not always the rank that died: timestamps tie)."""
     lines = [f"W1124 17:22:30.413000 1 api.py:1028] Sending process {p} closing signal SIGTERM" for p in stopped]
     lines += ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError:", "=" * 40,
-              "course_lib._worker FAILED", "-" * 40, "Failures:"]
+              "course_lib.runtime._worker FAILED", "-" * 40, "Failures:"]
     for i, (rank, code, pid) in enumerate(entries):
         if i == len(entries) - 1:
             lines += ["-" * 40, "Root Cause (first observed failure):"]

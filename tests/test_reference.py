@@ -15,8 +15,9 @@ import pytest
 
 from course_lib import reference
 from course_lib.grading import grade, kernel_guard
-from course_lib.grading import notebook as nbio
-from course_lib.launch import DistributedRunError, run
+from course_lib import notebook as nbio
+from course_lib.grading import authoring
+from course_lib.runtime.launch import DistributedRunError, run
 from course_lib.parallel import collectives, ddp, pipeline_schedules
 from course_lib.theory import planner
 
@@ -262,7 +263,7 @@ def test_every_graded_exercise_with_a_course_answer_is_marked():
 
     exercises = set()
     for path in sorted(Path(HERE).parents[1].glob("solutions/*.ipynb")):
-        exercises |= {i["exercise"] for i in map(nbio.test_info, nbio.read(path).cells) if i}
+        exercises |= {i["exercise"] for i in map(authoring.test_info, nbio.read(path).cells) if i}
     no_course_answer = {"00-distributed-sum", "01-classify-bound"} | {e for e in exercises if e.endswith("-quiz")}
     cheated = {e for lesson in CHEATS.values() for e in lesson}
     assert exercises - no_course_answer - cheated == set(), "exercises with a course answer but no cheat to try"

@@ -26,9 +26,10 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 import course_lib
-from course_lib import procs
+from course_lib.runtime import procs
 from course_lib.grading import commands, grade, sandbox
-from course_lib.grading import notebook as nbio
+from course_lib import notebook as nbio
+from course_lib.grading import authoring
 
 LESSON = "sb_lesson"
 LIMITS = sandbox.Limits(memory_mb=768, max_procs=48)
@@ -65,7 +66,7 @@ def lesson_notebook(answer: str = "def answer():\n    return 42", double: str = 
     cells[3].metadata["course"] = {"exercise": "sb-answer", "points": 1}
     cells[6].metadata["course"] = {"exercise": "sb-double", "points": 1}
     for i, c in enumerate(cells):
-        c.id = nbio.cell_id(LESSON, i)
+        c.id = authoring.cell_id(LESSON, i)
     return new_notebook(cells=cells, metadata={"course": {"lesson": LESSON}, "kernelspec": {
         "name": "python3", "display_name": "Python 3", "language": "python"}})
 
@@ -91,7 +92,7 @@ def attacks(paths: dict[str, str], port: int, host_ip: str) -> dict[str, str]:
         "net_external": connect.format(host_ip, port),
         "memory": "blocks = [bytearray(64 << 20) for _ in range(10_000)]",
         "fork_bomb": "import os\nwhile True:\n    os.fork()",
-        "patch_course_lib": ("import course_lib.launch\ncourse_lib.launch.run = None  # in memory: this kernel only\n"
+        "patch_course_lib": ("import course_lib.runtime.launch\ncourse_lib.launch.run = None  # in memory: this kernel only\n"
                              f"with open({str(PATCHED)!r}, 'a') as f:\n"
                              "    f.write('\\nnew_tag = lambda prefix=\"run\": \"patched\"\\n')"),
         "plant_pth": (f"from pathlib import Path\n"

@@ -198,7 +198,7 @@ def test_deepspeed_engine_first_updates():
     peak at update N (iteration N - 1), the linear one never in the warm-up. One launch, a few seconds warm."""
     import cloudpickle
 
-    from course_lib.launch import run
+    from course_lib.runtime.launch import run
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])       # the rank function travels by value
     big_n, updates = 4, 5                                              # updates 0..4: iterations -1..N-1

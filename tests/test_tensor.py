@@ -16,7 +16,7 @@ import torch
 
 from course_lib import theory
 from course_lib.config import ConfigError
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 from course_lib.lessons.l04_tensor_parallel import checks as tp_checks
 from course_lib.lessons.l04_tensor_parallel import experiments as tp_lab
 from course_lib.lessons.l04_tensor_parallel.checks import EXERCISES, check_records

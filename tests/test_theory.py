@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from course_lib.config import get_preset
-from course_lib.measure import count_flops
-from course_lib.memory_stats import SavedActivations, model_state_bytes
+from course_lib.measure.speed import count_flops
+from course_lib.measure.memory_stats import SavedActivations, model_state_bytes
 from course_lib.model import build_model
 from course_lib.theory import comm, flops, memory
 
@@ -186,14 +186,14 @@ def test_flop_counter_agrees_with_course_and_megatron_and_not_with_the_others():
 
 
 def test_mfu_divides_by_the_dense_peak():
-    from course_lib import measure
-    from course_lib.hardware import GPU_SPECS
+    from course_lib.measure import speed
+    from course_lib.measure.hardware import GPU_SPECS
     # NVIDIA H100 SXM datasheet: BF16 tensor core 1,979 TFLOPS "shown with sparsity", half without: 989.4 dense
     assert GPU_SPECS["H100"].bf16_tflops == pytest.approx(1978.9 / 2, rel=1e-4)
     gpt3 = get_preset("gpt3-175b")
     f = flops.flops_per_token(gpt3)
     assert f == pytest.approx(1.0764e12, rel=1e-4)
-    mfu = measure.mfu(370 * f, GPU_SPECS["H100"].bf16_tflops * 1e12)
+    mfu = speed.mfu(370 * f, GPU_SPECS["H100"].bf16_tflops * 1e12)
     assert mfu == pytest.approx(370 * f / 989.4e12) == pytest.approx(0.4025, abs=1e-3)
     # full recomputation raises the numerator by about a third: HFU, not MFU
     assert flops.hardware_flops_per_token(gpt3, recompute="full") / f == pytest.approx(1.332, abs=1e-3)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from course_lib.config import small_config
-from course_lib.launch import run, run_nodes
+from course_lib.runtime.launch import run, run_nodes
 from course_lib.lessons.l08_three_d.experiments import rank_3d_comm, rank_torch_3d
 
 # fp32; the only differences from one process are the orders of sums (TP's all-reduce, DP's average, micro-batches).

@@ -11,7 +11,7 @@ import pytest
 from course_lib.config import get_preset
 from course_lib.dist import GridLayout
 from course_lib.grading.check import CheckFailed
-from course_lib.hardware import GPU_SPECS
+from course_lib.measure.hardware import GPU_SPECS
 from course_lib.lessons.l08_three_d import checks, report
 from course_lib.theory import planner
 from course_lib.theory.planner import GiB

@@ -1,4 +1,4 @@
-"""Tests of a loss that counts tokens right (course_lib/token_loss.py; lesson 02's DP, lesson 09).
+"""Tests of a loss that counts tokens right (course_lib/training/token_loss.py; lesson 02's DP, lesson 09).
 
 Data parallelism on 2 gloo ranks x gradient accumulation over 2 micro-batches, on padded batches whose micro-batches
 and ranks hold different numbers of valid tokens, must equal one process over the same tokens when the summed loss
@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from course_lib.config import small_config
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 from course_lib.lessons.l02_data_parallel import experiments as ddp_lab
 from course_lib.one_process import train_reference
-from course_lib.token_loss import (IGNORE_INDEX, global_token_count, global_valid_tokens, loss_sum_and_tokens,
+from course_lib.training.token_loss import (IGNORE_INDEX, global_token_count, global_valid_tokens, loss_sum_and_tokens,
                                    mask_padding, token_normalized)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -1,4 +1,4 @@
-"""Tests of lesson 09's training script (course_lib/train.py, course_lib/train_config.py, configs/*.toml).
+"""Tests of lesson 09's training script (course_lib/training/train.py, course_lib/training/config.py, configs/*.toml).
 
 Bad configs are refused in this process, naming the field, before any rank starts. Real runs on gloo ranks:
 a run whose rank 1 is SIGKILLed mid-run under ``torchrun --max-restarts=1`` resumes from its last distributed
@@ -14,11 +14,11 @@ import math
 
 import pytest
 
-from course_lib import launch as launcher
-from course_lib import monitor, train
+from course_lib.runtime import launch as launcher
+from course_lib.training import monitor, train
 from course_lib.config import ConfigError
 from course_lib.parallel.deepspeed_config import deepspeed_accepts_fp16
-from course_lib.train_config import load_config, parse_config, validate_world
+from course_lib.training.config import load_config, parse_config, validate_world
 
 CONFIGS = "configs"
 TINY = f"{CONFIGS}/tiny_ddp.toml"

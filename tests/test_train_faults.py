@@ -1,4 +1,4 @@
-"""Lesson 09, second part: the training script when a large run goes wrong (course_lib/spikes.py, watchdog.py,
+"""Lesson 09, second part: the training script when a large run goes wrong (course_lib/training/spikes.py, watchdog.py,
 train.py, data.WindowLoader).
 
 - The z-score spike detector: warm-up, window, a spike kept out of the window, non-finite values, its state.
@@ -21,12 +21,12 @@ import time
 import pytest
 import torch
 
-from course_lib import train
+from course_lib.training import train
 from course_lib.config import ConfigError
 from course_lib.data import WindowLoader
-from course_lib.spikes import SpikeDetector
-from course_lib.train_config import load_config
-from course_lib.watchdog import Heartbeat, Watchdog
+from course_lib.training.spikes import SpikeDetector
+from course_lib.training.config import load_config
+from course_lib.training.watchdog import Heartbeat, Watchdog
 
 SPIKE = "configs/tiny_spike.toml"
 HANG = "configs/tiny_hang.toml"

@@ -21,12 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.alerts import AlertEngine, Rule
+from course_lib.training.alerts import AlertEngine, Rule
 from course_lib.grading.check import CheckFailed
 from course_lib.lessons.l09_training import checks
 from course_lib.parallel import clipping, schedules
 from course_lib.parallel import dist_checkpoint as ckpt
-from course_lib.spikes import SpikeDetector
+from course_lib.training.spikes import SpikeDetector
 
 ROOT = Path(__file__).resolve().parents[1]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the clip functions below travel to the ranks by value

@@ -78,7 +78,7 @@ def test_torchrun_failures_name_the_signal(tmp_path):
 
 
 def test_tables_and_the_waste_curve():
-    from course_lib.alerts import SEED_RULES
+    from course_lib.training.alerts import SEED_RULES
 
     table = report.rules_table(SEED_RULES)
     assert "loss_nan" in table and "at once" in table and "10 min" in table
@@ -96,7 +96,7 @@ def test_under_deepspeed_the_script_hands_clipping_to_deepspeed():
     (`train.deepspeed_settings`: ``conf.setdefault("gradient_clipping", cfg.clipping.max_norm)``)."""
     import dataclasses
 
-    from course_lib import train
+    from course_lib.training import train
 
     cfg, layout = train.check(experiments.CONFIGS / "seed004_deepspeed.toml", 2, {"clipping.max_norm": 0.5})
     assert cfg.deepspeed["gradient_clipping"] == 1.0                            # the seed's JSON sets it

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from course_lib.config import small_config
 from course_lib.data import random_batches, shard_batch
-from course_lib.hardware import cpu_features
-from course_lib.launch import run
+from course_lib.measure.hardware import cpu_features
+from course_lib.runtime.launch import run
 from course_lib.lessons.variants import VARIANTS, train_variant
 from course_lib.model import build_model
 from course_lib.parallel.deepspeed_config import deepspeed_config

@@ -1,6 +1,6 @@
 """Run lessons in a real JupyterLab, in headless Chromium, the way a learner would (Run > Run All Cells), by hand.
 
-The same check as tests/test_browser.py (course_lib/browser.py does the work), for the notebooks you name:
+The same check as tests/test_browser.py (course_lib/instructor/browser.py does the work), for the notebooks you name:
 
     .venv/bin/python tools/lab_smoke.py notebooks/01_bottlenecks.ipynb [more.ipynb ...] [--out runs/lab_smoke] [--quick]
 
@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from course_lib import browser
-from course_lib.cli import ROOT
+from course_lib.instructor import browser
+from course_lib.instructor.cli import ROOT
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """Graded exercises: author once in ``solutions/``, generate ``exercises/``, grade submissions.
 
 - `course_lib.grading.check`: the checks test cells call (``check_close``, ``check_equal``, ...).
-- `course_lib.grading.notebook`: reading and writing notebooks, answer regions, test cells.
+- `course_lib.grading.authoring`: the authoring format: answer regions, test cells (notebook I/O: `course_lib.notebook`).
 - `course_lib.grading.build`: ``course build`` (solutions -> exercises).
 - `course_lib.grading.grade`: ``course grade`` (run a submission with the official tests restored).
 - `course_lib.grading.sandbox`: where ``course grade`` runs each submission (bubblewrap, memory and process caps).

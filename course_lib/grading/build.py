@@ -18,12 +18,13 @@ import math
 import tokenize
 from pathlib import Path
 
-from course_lib.grading import notebook as nbio
+from course_lib import notebook as nbio
+from course_lib.grading import authoring
 
 
 def answer_exercises(nb) -> dict[int, str]:
     """{index of a cell with an answer region: the exercise it belongs to (the next test cell's)}."""
-    return {i: ex for ex, idx in _exercise_cells(nb).items() for i in idx if nbio.has_solution(nb["cells"][i])}
+    return {i: ex for ex, idx in _exercise_cells(nb).items() for i in idx if authoring.has_solution(nb["cells"][i])}
 
 
 def make_exercise(solution: dict, lesson: str) -> dict:
@@ -32,15 +33,15 @@ def make_exercise(solution: dict, lesson: str) -> dict:
     owner = answer_exercises(nb)
     cells = []
     for i, cell in enumerate(nb["cells"]):
-        info = nbio.test_info(cell)
+        info = authoring.test_info(cell)
         if info and info["hidden"]:
             continue
-        cell.setdefault("id", nbio.cell_id(lesson, i))
+        cell.setdefault("id", authoring.cell_id(lesson, i))
         cell.get("metadata", {}).pop("execution", None)
         if cell.get("cell_type") == "code":
             cell["outputs"], cell["execution_count"] = [], None
-            if nbio.has_solution(cell):
-                cell["source"] = nbio.strip_solution(nbio.source(cell), where=f"{lesson}, cell {i}",
+            if authoring.has_solution(cell):
+                cell["source"] = authoring.strip_solution(nbio.source(cell), where=f"{lesson}, cell {i}",
                                                      exercise=owner.get(i))
         cells.append(cell)
     nb["cells"] = cells
@@ -56,7 +57,7 @@ def _exercise_cells(nb) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     pending: list[int] = []
     for i, cell in enumerate(nb["cells"]):
-        info = nbio.test_info(cell)
+        info = authoring.test_info(cell)
         if info:
             out.setdefault(info["exercise"], []).extend(pending + [i])
             pending = []
@@ -72,7 +73,7 @@ def _answer_values(src: str) -> list:
     values, inside = [], False
     for line in src.split("\n"):
         stripped = line.strip()
-        inside = (inside or stripped.startswith(nbio.BEGIN)) and not stripped.startswith(nbio.END)
+        inside = (inside or stripped.startswith(authoring.BEGIN)) and not stripped.startswith(authoring.END)
         if inside and "=" in stripped and not stripped.startswith("#"):
             try:
                 node = ast.parse(stripped)
@@ -100,7 +101,7 @@ def leaked_answers(solution: dict, exercise: dict, lesson: str) -> list[str]:
     leaks = []
     sol_cells, ex_cells = _exercise_cells(solution), _exercise_cells(exercise)
     for ex, idx in sol_cells.items():
-        tests = [nbio.source(solution["cells"][i]) for i in idx if nbio.is_test(solution["cells"][i])]
+        tests = [nbio.source(solution["cells"][i]) for i in idx if authoring.is_test(solution["cells"][i])]
         if not any("check_answer(" in src for src in tests):
             continue
         answers = [v for i in idx for v in _answer_values(nbio.source(solution["cells"][i]))]
@@ -126,7 +127,7 @@ def expected_hints(solutions_dir: Path) -> str:
     for path in sorted(Path(solutions_dir).glob("*.ipynb")):
         nb = nbio.read(path)
         for i, ex in sorted(answer_exercises(nb).items()):
-            steps = nbio.hints_of(nbio.source(nb["cells"][i]))
+            steps = authoring.hints_of(nbio.source(nb["cells"][i]))
             have = out.setdefault(ex, ["", ""])
             for k in range(2):
                 have[k] = " ".join(filter(None, [have[k], *steps[k]]))

@@ -1,4 +1,4 @@
-"""The ``course build`` and ``course grade`` subcommands (registered by `course_lib.cli`)."""
+"""The ``course build`` and ``course grade`` subcommands (registered by `course_lib.instructor.cli`)."""
 
 from __future__ import annotations
 

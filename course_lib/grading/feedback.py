@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 from course_lib.grading import hints
-from course_lib.grading import notebook as nbio
+from course_lib import notebook as nbio
 
 SEEN_RE = re.compile(r"hint (\d+) of (\d+) for (\S+?):")
 NO_MORE_RE = re.compile(r"no more hints for (\S+?):")

@@ -35,9 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from course_lib import procs, reference
+from course_lib import reference
+from course_lib.runtime import procs
 from course_lib.grading import kernel_guard, regrade, sandbox
-from course_lib.grading import notebook as nbio
+from course_lib import notebook as nbio
+from course_lib.grading import authoring
 
 DEFAULT_CELL_TIMEOUT = 120.0
 DEFAULT_TOTAL_TIMEOUT = 900.0
@@ -62,14 +64,14 @@ class Solutions:
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise GraderError(f"no solutions folder at {self.folder}")
-        self.hashes = nbio.tree_hash(self.folder)
+        self.hashes = authoring.tree_hash(self.folder)
         self.notebooks = {p.stem: nbio.read(p) for p in sorted(self.folder.glob("*.ipynb"))}
         if not self.notebooks:
             raise GraderError(f"no solution notebooks in {self.folder}")
 
     def changed(self) -> list[str]:
         """Official notebooks whose bytes changed since the snapshot (a submission wrote there?)."""
-        now = nbio.tree_hash(self.folder)
+        now = authoring.tree_hash(self.folder)
         return sorted(k for k in set(now) | set(self.hashes) if now.get(k) != self.hashes.get(k))
 
     def match(self, nb, path: Path) -> str | None:
@@ -80,9 +82,9 @@ class Solutions:
         for stem in stems:
             if stem == path.stem or stem in path.name:
                 return stem
-        ids = {info["exercise"] for info in map(nbio.test_info, nb["cells"]) if info}
-        best = max(stems, key=lambda s: len(ids & {e["exercise"] for e in nbio.exercises(self.notebooks[s])}))
-        if ids & {e["exercise"] for e in nbio.exercises(self.notebooks[best])}:
+        ids = {info["exercise"] for info in map(authoring.test_info, nb["cells"]) if info}
+        best = max(stems, key=lambda s: len(ids & {e["exercise"] for e in authoring.exercises(self.notebooks[s])}))
+        if ids & {e["exercise"] for e in authoring.exercises(self.notebooks[best])}:
             return best
         return None
 
@@ -92,13 +94,13 @@ def assemble(submission, official) -> dict:
     nb = copy.deepcopy(submission)
     groups: dict[str, list] = {}
     for cell in official["cells"]:
-        info = nbio.test_info(cell)
+        info = authoring.test_info(cell)
         if info:
             groups.setdefault(info["exercise"], []).append(copy.deepcopy(cell))
     order = list(groups)
     kept, anchor = [], {}
     for cell in nb["cells"]:
-        info = nbio.test_info(cell)
+        info = authoring.test_info(cell)
         if info is None:
             if cell.get("cell_type") == "code":
                 cell["outputs"], cell["execution_count"] = [], None
@@ -120,7 +122,7 @@ def assemble(submission, official) -> dict:
         if i < len(kept):
             cells.append(kept[i])
     for n, c in enumerate(cells):  # unique ids (students duplicate cells)
-        c["id"] = nbio.cell_id("graded", n)
+        c["id"] = authoring.cell_id("graded", n)
     nb["cells"] = cells
     nb.setdefault("metadata", {})["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                                    "language": "python"}
@@ -132,7 +134,7 @@ def answer_names(official) -> list[str]:
     variables): what a test cell calls, so what must not be the course's own answer (`kernel_guard`)."""
     names: set[str] = set()
     for cell in official["cells"]:
-        if not nbio.has_solution(cell):
+        if not authoring.has_solution(cell):
             continue
         try:
             tree = ast.parse(nbio.source(cell))
@@ -157,7 +159,7 @@ def guard_plan(assembled, official) -> dict:
     for cell in reversed(assembled["cells"]):
         if cell.get("cell_type") != "code":
             continue
-        info = nbio.test_info(cell)
+        info = authoring.test_info(cell)
         key = kernel_guard.cell_key(nbio.source(cell))
         if info:
             later.add(info["exercise"])
@@ -178,7 +180,7 @@ def score(nb, record: dict) -> list[dict]:
     since_last_test: list[dict] = []  # student cells between the previous test cell and this one
     span: dict[str, list[dict]] = {}
     for i, cell in enumerate(nb["cells"]):
-        info = nbio.test_info(cell)
+        info = authoring.test_info(cell)
         entry = by_index.get(i)
         if info is None:
             if entry:
@@ -364,7 +366,7 @@ def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solu
     ``status`` is ``graded`` or ``unreadable`` (with ``error``). ``sandboxed``: None runs the submission in
     the sandbox where it can run (``sandbox`` in the result says ``off: <why>`` where not), True requires it,
     False turns it off. ``limits``: its caps (default `sandbox.Limits()`). ``warm_ranks=True`` lets the
-    notebook's runs share warm ranks (`course_lib.pool`), as in a learner's own kernel: only for notebooks the
+    notebook's runs share warm ranks (`course_lib.runtime.pool`), as in a learner's own kernel: only for notebooks the
     course wrote (tests/test_grading.py grades the solutions and their generated student copies so); a
     submission's own runs could leave state in warm ranks for the official tests' runs, so `course grade` never
     sets it. ``only``: grade just these exercises (a regrade, `course_lib.grading.regrade`); the result then

@@ -12,7 +12,7 @@ its own temp folder, cgroup with the ``--memory-mb``/``--max-procs``/``--cpus`` 
 ``COURSE_PROC_TAG``). Results come back in the class's sorted order whatever order they finish in, so the JSON,
 CSV and table of ``--jobs N`` are those of ``--jobs 1`` but for the timings. One progress bar (tqdm, with an ETA)
 counts the class. On SIGINT (Ctrl-C) or SIGTERM every running sandbox's processes are killed (each carries a
-``COURSE_PROC_TAG`` starting with ``grade-<this pid>-``: `course_lib.procs`), their threads clean up their
+``COURSE_PROC_TAG`` starting with ``grade-<this pid>-``: `course_lib.runtime.procs`), their threads clean up their
 cgroups and temp folders, and `Interrupted` carries the results already computed (the CLI writes them, then exits
 130).
 
@@ -35,9 +35,10 @@ from pathlib import Path
 
 import psutil
 
-from course_lib import procs
+from course_lib.runtime import procs
 from course_lib.grading import grade, sandbox
-from course_lib.grading import notebook as nbio
+from course_lib import notebook as nbio
+from course_lib.grading import authoring
 from course_lib.grading.shards import Shard
 
 
@@ -131,7 +132,7 @@ def plan_class(paths: list[str | Path], solutions: grade.Solutions | str | Path,
                          f"call (its CSV columns and gradebook column are that lesson's)" if lesson is None else
                          f"notebooks of another lesson than --lesson {lesson}: {parts}; grade them in their own call")
     if only:
-        official = [e["exercise"] for e in nbio.exercises(solutions.notebooks[expected])] if expected else []
+        official = [e["exercise"] for e in authoring.exercises(solutions.notebooks[expected])] if expected else []
         unknown = [e for e in only if e not in official]
         if unknown:
             raise ClassError(f"--exercise {', '.join(unknown)}: not an exercise of lesson {expected}; its exercises: "

@@ -24,7 +24,8 @@ import ast
 import copy
 import re
 
-from course_lib.grading import notebook as nbio
+from course_lib import notebook as nbio
+from course_lib.grading import authoring
 
 WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 OPAQUE_CALLS = {"exec", "eval", "globals", "locals", "vars", "__import__"}
@@ -82,7 +83,7 @@ def select(assembled, exercises: list[str]) -> dict:
     Raises `SelectionError` naming the lesson's exercises when one of ``exercises`` has no test cell.
     """
     cells = assembled["cells"]
-    info = [nbio.test_info(c) for c in cells]
+    info = [authoring.test_info(c) for c in cells]
     present = list(dict.fromkeys(i["exercise"] for i in info if i))
     unknown = [e for e in exercises if e not in present]
     if unknown:

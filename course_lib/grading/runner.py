@@ -31,7 +31,7 @@ import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
-from course_lib import procs
+from course_lib.runtime import procs
 from course_lib.grading import sandbox
 
 TRUNCATED = "\n[output truncated by the grader]\n"

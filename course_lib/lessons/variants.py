@@ -23,8 +23,8 @@ import torch.nn as nn
 from course_lib import dist as cdist
 from course_lib.data import shard_batch
 from course_lib.dist import global_mean
-from course_lib.measure import synchronize
-from course_lib.memory_stats import LiveTensors, live_tensor_bytes, model_state_bytes
+from course_lib.measure.speed import synchronize
+from course_lib.measure.memory_stats import LiveTensors, live_tensor_bytes, model_state_bytes
 from course_lib.model import build_model, lm_loss
 from course_lib.one_process import params_of
 from course_lib.parallel.deepspeed_config import deepspeed_config, import_deepspeed

@@ -74,7 +74,7 @@ def batch_send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[tor
     """Send every ``(tensor, dst)`` and receive into every ``(buffer, src)`` (global ranks), all posted together with
     ``dist.batch_isend_irecv`` and waited for (empty tensors are skipped). NCCL runs the messages between two ranks in
     one queue: a send and a receive between the same two ranks posted apart can wait on each other there (a deadlock
-    that gloo forgives, `course_lib.nccl_rules`), so every set of messages that travels together goes here (lessons
+    that gloo forgives, `course_lib.runtime.nccl_rules`), so every set of messages that travels together goes here (lessons
     02 and 03)."""
     ops = [dist.P2POp(dist.isend, t, dst, group) for t, dst in sends if t.numel()]
     ops += [dist.P2POp(dist.irecv, buf, src, group) for buf, src in recvs if buf.numel()]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib.collective_counter import LayerCounter
+from course_lib.measure.collective_counter import LayerCounter
 from course_lib.parallel import block_attention
 from course_lib.parallel.block_attention import Chunks, attend_block, block_grads, block_pairs, blocks_of
 from course_lib.reference import reference_for

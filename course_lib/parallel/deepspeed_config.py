@@ -9,7 +9,7 @@ import os
 import torch
 
 from course_lib import dist as cdist
-from course_lib.hardware import cpu_features
+from course_lib.measure.hardware import cpu_features
 
 __all__ = ["import_deepspeed", "deepspeed_accepts_fp16", "deepspeed_config"]
 
@@ -32,7 +32,7 @@ def import_deepspeed():
 
 def deepspeed_accepts_fp16() -> bool:
     """Whether DeepSpeed trains with ``"fp16"`` here: on a GPU, or on a CPU with native fp16 kernels (its CPU
-    accelerator asks `torch.ops.mkldnn._is_mkldnn_fp16_supported`, as `course_lib.hardware.cpu_features` does)."""
+    accelerator asks `torch.ops.mkldnn._is_mkldnn_fp16_supported`, as `course_lib.measure.hardware.cpu_features` does)."""
     return torch.cuda.is_available() or cpu_features()["fp16"]
 
 
@@ -41,7 +41,7 @@ def deepspeed_config(stage: int, micro_batch: int, offload: bool = False, precis
     """A DeepSpeed config in the syllabus's style: ZeRO stage, optional CPU offload, precision.
 
     precision: 'fp32', 'bf16' or 'fp16'. fp16 needs a GPU or a CPU with native fp16 kernels (AVX512-FP16 / AMX-FP16:
-    `course_lib.hardware.cpu_features`); elsewhere DeepSpeed's CPU accelerator refuses it, and so does this function.
+    `course_lib.measure.hardware.cpu_features`); elsewhere DeepSpeed's CPU accelerator refuses it, and so does this function.
     Two settings differ from DeepSpeed's defaults, so that it trains exactly what the others train:
     ``gradient_clipping`` 0 (DeepSpeed 0.19 clips the global gradient norm at 1.0 unless told otherwise)
     and ``stage3_param_persistence_threshold`` 0 (by default parameters under 1e5 elements are not

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course_lib.collective_counter import LayerCounter
+from course_lib.measure.collective_counter import LayerCounter
 from course_lib.parallel.moe import MoELayer, SwiGLUExperts, moe_layers
 from course_lib.reference import reference_for
 

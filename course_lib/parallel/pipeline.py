@@ -9,11 +9,11 @@ gradients backward; the loss is computed on the last stage.
 `course_lib.parallel.pipeline_schedules`: naive, GPipe, 1F1B, interleaved 1F1B, ZB-H1) and records, for every op,
 its start and end (start after the input arrived, end when the compute is done, before sending; CUDA events on a
 GPU) and the exact bytes of activations held for backward (saved-tensor hooks,
-`course_lib.memory_stats.SavedActivations`). Between two ops a rank sends the output of the op it finished and receives
+`course_lib.measure.memory_stats.SavedActivations`). Between two ops a rank sends the output of the op it finished and receives
 the input of the next in one batch (``dist.batch_isend_irecv``): a rank waits only for data it needs, so any
 dependency-respecting order runs without deadlock, on gloo and on NCCL (which runs the messages between two ranks in
 one queue: a send and a receive between the same ranks posted apart can wait on each other there; see
-`course_lib.nccl_rules`).
+`course_lib.runtime.nccl_rules`).
 
 Interleaved schedules give a rank v chunks (`build_chunks`: ring positions rank, rank + p, ...; rank p - 1 sends to
 rank 0, and on p = 2 both directions join the same two ranks), so their messages follow
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from course_lib import measure, memory_stats
+from course_lib.measure import memory_stats, speed
 from course_lib.config import ConfigError
 from course_lib.model import lm_loss
 from course_lib.parallel.collectives import batch_send_recv
@@ -100,7 +100,7 @@ class P2P:
     ``dist.batch_isend_irecv`` and waits for both: NCCL runs the messages between two ranks in one queue, so a send
     and a receive between the same two ranks must travel in one batch (torch.distributed.pipelining and Megatron-LM
     post them the same way); a receive posted ahead on its own can block a send the peer needs first, a deadlock on
-    GPUs that gloo forgives (`course_lib.nccl_rules`). ``send_forward`` / ``recv_forward`` / ``send_backward`` /
+    GPUs that gloo forgives (`course_lib.runtime.nccl_rules`). ``send_forward`` / ``recv_forward`` / ``send_backward`` /
     ``recv_backward`` (asynchronous sends, blocking receives, ``wait_all`` at the end) are for schedules written by
     hand, as in lesson 03's exercise. ``bytes_sent`` counts what this rank sent.
     """
@@ -187,7 +187,7 @@ def run_schedule(stage: Stage | list[Stage], order: list, x_mbs: list[torch.Tens
     of the mean loss over the whole batch, as on one process.
     Before each op the rank posts one batch of messages (`P2P.exchange`): by default the previous op's output with
     the next op's input; ``plan`` (`pipeline_messages.p2p_plan`, from every rank's order) is required with chunks.
-    Every op is timed with `course_lib.measure.Stopwatch` (CUDA events on a GPU: never a
+    Every op is timed with `course_lib.measure.speed.Stopwatch` (CUDA events on a GPU: never a
     ``torch.cuda.synchronize()``, which would wait for NCCL's messages too): start after its input arrived, end when
     its compute is done, before sending.
     Returns ``losses`` (per micro-batch, last stage, unscaled), ``timeline`` (per op: kind, mb, chunk, start, end in
@@ -216,7 +216,7 @@ def run_schedule(stage: Stage | list[Stage], order: list, x_mbs: list[torch.Tens
     live = peak = messages = 0
     if comm is not None:
         dist.barrier(group=comm.group)         # every rank starts together
-    clock = measure.Stopwatch(device)
+    clock = speed.Stopwatch(device)
     for op, batch in zip(list(order) + [None], plan):
         if batch:
             sends = [(outbox.pop(msg), peer) for kind, peer, msg in batch if kind == "S"]

@@ -3,7 +3,7 @@
 A rank sends each op's output right after the op and receives an op's input right before it. Each post is one
 ``dist.batch_isend_irecv`` batch of ``("S" | "R", peer, message)`` items, a message being ``(kind, micro-batch, ring
 position that produced it)``. NCCL runs the messages between two ranks in the order both post them
-(`course_lib.nccl_rules`): the plan must be an order both ends agree on, or the ranks wait on each other forever.
+(`course_lib.runtime.nccl_rules`): the plan must be an order both ends agree on, or the ranks wait on each other forever.
 
 * `adjacent_plan(order, rank, p)`: one chunk per rank (GPipe, 1F1B, ZB-H1): the previous op's output with the next op's
   input, from this rank's order alone.
@@ -57,7 +57,7 @@ def p2p_plan(orders: list[list[Op]], rank: int) -> list[list[tuple]]:
     ``dist.batch_isend_irecv`` (message: (kind, micro-batch, ring position that produced it)).
 
     A rank sends each output right after the op that made it and receives an op's input right before the op. NCCL
-    runs the messages between two ranks in the order both post them (`course_lib.nccl_rules`), so every rank posts
+    runs the messages between two ranks in the order both post them (`course_lib.runtime.nccl_rules`), so every rank posts
     the messages it shares with a peer in one agreed order: that of the ideal timeline (`simulate`), in which every
     message exists before anyone needs it. A send or receive therefore goes out together with the receives from the
     same peer that come earlier in that order (buffered until their op runs). With one chunk per rank (1F1B, ZB-H1)

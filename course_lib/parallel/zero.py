@@ -28,7 +28,7 @@ On a bf16/fp16 model (``model.to(torch.bfloat16)``) the optimizer steps fp32 mas
 gradient shards stay 16-bit: the measured state is the mixed-precision formula, 16P bytes sharded as ZeRO says.
 
 Every collective's payload is counted (``zero.bytes``): all-gather = its output, reduce-scatter = its input,
-as in `course_lib.collective_counter.CollectiveCounter`. A rank sends (N-1)/N of each payload over a ring.
+as in `course_lib.measure.collective_counter.CollectiveCounter`. A rank sends (N-1)/N of each payload over a ring.
 """
 
 from __future__ import annotations

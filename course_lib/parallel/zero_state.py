@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from course_lib.memory_stats import unique_bytes
+from course_lib.measure.memory_stats import unique_bytes
 
 __all__ = ["param_names", "shard_state_dict", "load_shard_state_dict", "dcp_state_dict", "load_dcp_state_dict",
            "state_bytes"]
@@ -143,7 +143,7 @@ def load_dcp_state_dict(zero, state: dict, model: nn.Module | None = None) -> No
 
 def state_bytes(zero) -> dict:
     """Bytes of model state this rank holds now, counted from the tensors (storages deduplicated):
-    dict(params=, grads=, optimizer=, total=), like `course_lib.memory_stats.model_state_bytes`; with mixed
+    dict(params=, grads=, optimizer=, total=), like `course_lib.measure.memory_stats.model_state_bytes`; with mixed
     precision ``optimizer`` includes the fp32 master chunks (the formula's K = 12)."""
     seen: set = set()
     p_bytes = unique_bytes(list(zero.params) + list(zero.views), seen)

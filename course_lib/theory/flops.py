@@ -25,7 +25,7 @@ of the attention matrix skipped. ``causal=True`` gives that convention.
 The conventions of others, one function each (lesson 01, section 1.5; ``FLOP_CONVENTIONS`` names them all):
 :func:`palm_flops_per_token` (6N + 12 L H Q T, N every parameter), :func:`megatron_flops_per_token` (Narayanan et
 al. 2021, with or without the recomputation term), :func:`torchtitan_flops_per_token`; :func:`hardware_flops_per_token`
-counts what recomputation adds (HFU's numerator); `course_lib.measure.mfu` divides by the *dense* peak.
+counts what recomputation adds (HFU's numerator); `course_lib.measure.speed.mfu` divides by the *dense* peak.
 """
 
 from __future__ import annotations

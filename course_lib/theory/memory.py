@@ -14,7 +14,7 @@ bf16/fp16 parameters and gradients (2P + 2P) plus fp32 master weights, momentum 
 
 Activations: :func:`activation_bytes` counts, tensor by tensor, what autograd saves for the backward
 pass of ``course_lib.model.GPT`` with ``scaled_dot_product_attention`` on CPU (dropout 0), derived from
-``course_lib.memory_stats.SavedActivations`` and checked against it in tests/test_theory.py.
+``course_lib.measure.memory_stats.SavedActivations`` and checked against it in tests/test_theory.py.
 """
 
 from __future__ import annotations

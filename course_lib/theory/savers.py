@@ -152,7 +152,7 @@ def best_checkpoint_every(n_layer: int, per_layer: float, boundary: float) -> di
 
 def recompute_flops(cfg: ModelConfig, batch_size: int, every: int, seq_len: int | None = None) -> float:
     """Matmul FLOPs that backward recomputes with segments of ``every`` blocks (model FLOPs, as counted by
-    ``course_lib.measure.count_flops``): one forward of every block, 2 B T (4C^2 + 2CF) + 4 B T^2 C, less one
+    ``course_lib.measure.speed.count_flops``): one forward of every block, 2 B T (4C^2 + 2CF) + 4 B T^2 C, less one
     matmul per segment: torch's non-reentrant checkpoint stops recomputing a segment as soon as every tensor
     backward needs is back, so the last block's ``mlp.proj`` (2 B T F C; nothing keeps its output) is skipped."""
     T = cfg.seq_len if seq_len is None else seq_len

@@ -4,7 +4,7 @@ step, MFU and the anatomy of training memory.
 Each function returns plain rows (lists of dicts) that name the hardware and backend they came from,
 so a lesson can print them, plot them (`report`) and compare them with `course_lib.theory`.
 Sizes adapt to the device: small on a CPU (a lesson runs in minutes on 2 cores), realistic on a GPU.
-Distributed benchmarks start their ranks through `course_lib.launch.run` (gloo on CPU, NCCL on GPUs):
+Distributed benchmarks start their ranks through `course_lib.runtime.launch.run` (gloo on CPU, NCCL on GPUs):
 the same code runs on both.
 """
 
@@ -17,12 +17,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import dist as cdist
-from course_lib import hardware, measure, memory_stats
+from course_lib.measure import hardware, memory_stats, speed
 from course_lib.config import get_preset
 from course_lib.data import random_batches
 from course_lib.dist import pick_backend
-from course_lib.launch import run
-from course_lib.measure import interval_union, intervals_length
+from course_lib.runtime.launch import run
+from course_lib.measure.speed import interval_union, intervals_length
 from course_lib.model import build_model
 from course_lib.theory import comm, flops
 
@@ -49,9 +49,9 @@ def time_kernel(fn, device=None, repeats: int = 5, min_s: float = 2e-3) -> float
     Calls are batched so that each timed repeat lasts at least ``min_s`` (a small matmul takes
     microseconds, less than the timer's resolution and overhead). The best repeat measures what the
     hardware can do; on a shared machine the others include time when another process had the core.
-    (Training steps use the median instead: :func:`course_lib.measure.time_fn`.)"""
+    (Training steps use the median instead: :func:`course_lib.measure.speed.time_fn`.)"""
     fn()  # warm-up
-    with measure.Timer(device) as t:
+    with speed.Timer(device) as t:
         fn()
     inner = max(1, min(1000, int(min_s / max(t.seconds, 1e-7))))
 
@@ -59,7 +59,7 @@ def time_kernel(fn, device=None, repeats: int = 5, min_s: float = 2e-3) -> float
         for _ in range(inner):
             fn()
 
-    return min(measure.time_fn(many, warmup=0, repeats=repeats, device=device, return_all=True)) / inner
+    return min(speed.time_fn(many, warmup=0, repeats=repeats, device=device, return_all=True)) / inner
 
 
 def matmul_sweep(sizes=None, device=None, dtype=None, repeats: int = 5) -> list[dict]:
@@ -74,7 +74,7 @@ def matmul_sweep(sizes=None, device=None, dtype=None, repeats: int = 5) -> list[
         b = torch.randn(n, n, device=device, dtype=dtype)
         s = time_kernel(lambda: torch.mm(a, b), device, repeats)
         rows.append(dict(n=n, flops=2 * n ** 3, seconds=s, flop_s=2 * n ** 3 / s, dtype=str(dtype)))
-        measure.record_matmul_flops(device, dtype, 2 * n ** 3 / s)
+        speed.record_matmul_flops(device, dtype, 2 * n ** 3 / s)
     return rows
 
 
@@ -122,7 +122,7 @@ def roofline_points(device=None, dtype=None, repeats: int = 5) -> list[dict]:
     for n in ([256, 1024, 4096, 8192] if gpu else [32, 128, 512, 1024]):
         a = torch.randn(n, n, device=device, dtype=dtype)
         add(f"matmul {n}", "matmul", 2 * n ** 3, 3 * n * n * esize, lambda a=a: torch.mm(a, a))
-        measure.record_matmul_flops(device, dtype, rows[-1]["flop_s"])
+        speed.record_matmul_flops(device, dtype, rows[-1]["flop_s"])
     N = (64 if gpu else 4) * MB
     x = torch.randn(N, device=device, dtype=dtype)
     y = torch.randn(N, device=device, dtype=dtype)
@@ -141,7 +141,7 @@ def roofline_points(device=None, dtype=None, repeats: int = 5) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Collectives (run through course_lib.launch: gloo on CPU, NCCL on GPUs)
+# Collectives (run through course_lib.runtime.launch: gloo on CPU, NCCL on GPUs)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -188,11 +188,11 @@ def _collective_worker(world_sizes, ops, sizes):
                     fn()  # warm-up (also creates the connections)
                     reps = _repeats_for(S)
                     dist.barrier(group=group)
-                    measure.synchronize(dev)
+                    speed.synchronize(dev)
                     t0 = time.perf_counter()
                     for _ in range(reps):
                         fn()
-                    measure.synchronize(dev)
+                    speed.synchronize(dev)
                     t = torch.tensor([(time.perf_counter() - t0) / reps], device=dev)
                     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank decides
                     sec = float(t.item())
@@ -304,11 +304,11 @@ def _ddp_profile_worker(preset: str, batch_size: int, steps: int):
     results = []
     for _ in range(steps):
         dist.barrier()
-        measure.synchronize(dev)
+        speed.synchronize(dev)
         with profile(activities=acts) as prof:
             with record_function(STEP_NAME):
                 step()
-                measure.synchronize(dev)
+                speed.synchronize(dev)
         evs = prof.events()
         win = next(e for e in evs if e.name == STEP_NAME)
         window = (win.time_range.start / 1e6, win.time_range.end / 1e6)
@@ -360,7 +360,7 @@ def _train_setup(cfg, batch_size: int, device, seed: int = 0):
 def train_step_mfu(cfg, batch_size: int, device=None, warmup: int = 2, repeats: int = 5) -> dict:
     """Time one Adam training step of ``course_lib.model.GPT(cfg)`` and compute its MFU.
     Model FLOPs per step come from the formula (``theory.flops.step_flops``: 6N + attention), the peak from
-    :func:`course_lib.measure.peak_flops` (datasheet bf16 on known GPUs, measured fp32 matmul on a CPU).
+    :func:`course_lib.measure.speed.peak_flops` (datasheet bf16 on known GPUs, measured fp32 matmul on a CPU).
     On a GPU the step runs under bf16 autocast, to be comparable with the bf16 peak.
     """
     device = _device(device)
@@ -374,19 +374,19 @@ def train_step_mfu(cfg, batch_size: int, device=None, warmup: int = 2, repeats: 
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    seconds = measure.time_fn(step, warmup=warmup, repeats=repeats, device=device)
+    seconds = speed.time_fn(step, warmup=warmup, repeats=repeats, device=device)
     step_flops = flops.step_flops(cfg, batch_size)
-    peak, source = measure.peak_flops(device)
+    peak, source = speed.peak_flops(device)
     return dict(seconds=seconds, tokens=batch_size * cfg.seq_len,
-                tokens_per_s=measure.tokens_per_s(batch_size * cfg.seq_len, seconds),
+                tokens_per_s=speed.tokens_per_s(batch_size * cfg.seq_len, seconds),
                 step_flops=step_flops, flop_s=step_flops / seconds, peak=peak, peak_source=source,
-                mfu=measure.mfu(step_flops / seconds, peak), hardware=hardware.hardware_label(device=device))
+                mfu=speed.mfu(step_flops / seconds, peak), hardware=hardware.hardware_label(device=device))
 
 
 def training_memory(cfg, batch_size: int, device=None) -> dict:
     """Measured memory of one Adam training step of ``GPT(cfg)`` (fp32), counted from tensors.
-    ``params, grads, optimizer`` (after one step, :func:`course_lib.memory_stats.model_state_bytes`) and
-    ``activations`` (bytes saved for backward, :class:`course_lib.memory_stats.SavedActivations`), plus
+    ``params, grads, optimizer`` (after one step, :func:`course_lib.measure.memory_stats.model_state_bytes`) and
+    ``activations`` (bytes saved for backward, :class:`course_lib.measure.memory_stats.SavedActivations`), plus
     ``rss`` on CPU or the CUDA allocator's ``peak_allocated`` on GPU, for comparison.
     """
     device = _device(device)
@@ -415,9 +415,9 @@ def training_memory(cfg, batch_size: int, device=None) -> dict:
 
 def counted_flops(cfg, batch: int = 1, seed: int = 0) -> dict:
     """FLOPs per token of one real forward + backward of the course GPT on the CPU, counted by
-    ``torch.utils.flop_counter.FlopCounterMode`` with :func:`measure.flop_counter_mapping` (the CPU attention kernel
+    ``torch.utils.flop_counter.FlopCounterMode`` with :func:`speed.flop_counter_mapping` (the CPU attention kernel
     counted, its backward 2 x forward): ``total``, and its ``matmul`` (mm/addmm/bmm: projections, MLP, LM head) and
-    ``attention`` (the SDPA kernels) parts. (The stock counter, ``measure.count_flops(..., model_flops=False)``,
+    ``attention`` (the SDPA kernels) parts. (The stock counter, ``speed.count_flops(..., model_flops=False)``,
     has no formula for the CPU attention kernel: on a CPU it counts ``matmul`` only.)
 
     FlopCounterMode counts only ops it has a formula for: matmuls (2 m k n), convolutions and SDPA (Q K^T and P V
@@ -427,7 +427,7 @@ def counted_flops(cfg, batch: int = 1, seed: int = 0) -> dict:
     torch.manual_seed(seed)
     model = build_model(cfg)
     idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
-    by_op = measure.count_flops(lambda: model.loss(idx, idx).backward(), by_op=True)
+    by_op = speed.count_flops(lambda: model.loss(idx, idx).backward(), by_op=True)
     attention = sum(v for op, v in by_op.items() if "attention" in op)
     total = sum(by_op.values())
     n = idx.numel()
@@ -453,7 +453,7 @@ def causal_attention_flops(batch: int = 2, heads: int = 4, seq_len: int = 64, he
         for path in ("math", "kernel"):
             q, k, v = (torch.randn(batch, heads, seq_len, head_dim, requires_grad=True) for _ in range(3))
             with sdpa_kernel(SDPBackend.MATH if path == "math" else SDPBackend.FLASH_ATTENTION):
-                out[(path, causal)] = measure.count_flops(lambda: step(q, k, v, causal), model_flops=path == "kernel")
+                out[(path, causal)] = speed.count_flops(lambda: step(q, k, v, causal), model_flops=path == "kernel")
     full = 3 * 2 * 2 * batch * heads * seq_len ** 2 * head_dim
     return {"math_full": out[("math", False)], "math_causal": out[("math", True)],
             "kernel_full": out[("kernel", False)], "kernel_causal": out[("kernel", True)],

@@ -5,7 +5,7 @@
   ``Figure`` (shown inline by Jupyter).
 - :func:`bottleneck_widget`: pick a model preset, a GPU and a cluster; see where the time and the memory of one
   data-parallel training step go, by formula (:func:`bottleneck_estimate`, which uses only `course_lib.theory`
-  and the datasheet table `course_lib.hardware.GPU_SPECS`), drawn by :func:`estimate_figure`.
+  and the datasheet table `course_lib.measure.hardware.GPU_SPECS`), drawn by :func:`estimate_figure`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from course_lib.config import PRESETS, get_preset
-from course_lib.hardware import GPU_SPECS
+from course_lib.measure.hardware import GPU_SPECS
 from course_lib.lessons.display import COLORS
 from course_lib.theory import comm, flops, memory
 from course_lib.theory.comm import alpha_beta_time
 from course_lib.theory.planner import Cluster
-from course_lib.units import fmt_bytes
+from course_lib.measure.units import fmt_bytes
 
 
 # ---------------------------------------------------------------------------------------------

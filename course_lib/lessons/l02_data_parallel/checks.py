@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
-from course_lib.collective_counter import COUNTED_COLLECTIVES
+from course_lib.measure.collective_counter import COUNTED_COLLECTIVES
 from course_lib.lessons.l02_data_parallel.experiments import rank_train
 from course_lib.model import build_model
 from course_lib.parallel.ddp import make_buckets

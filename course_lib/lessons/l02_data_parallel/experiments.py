@@ -1,7 +1,7 @@
 """The experiments of lesson 02 (data parallelism), as functions that run on every rank.
 
 Tests, the lesson, the benchmark and the exercise checks all call these, so that each experiment is
-written once. Functions named ``rank_*`` run inside `course_lib.launch.run` (the default process group
+written once. Functions named ``rank_*`` run inside `course_lib.runtime.launch.run` (the default process group
 is initialised); the others run in a single process.
 
 Data: `course_lib.data.random_batches`, identical on every rank; rank r trains on rows [r*B/n, (r+1)*B/n)
@@ -23,13 +23,13 @@ from course_lib import dist as cdist
 from course_lib.config import ModelConfig
 from course_lib.data import random_batches, shard_batch
 from course_lib.dist import global_mean
-from course_lib.measure import Stopwatch, interval_union, intervals_length, synchronize
+from course_lib.measure.speed import Stopwatch, interval_union, intervals_length, synchronize
 from course_lib.model import build_model, lm_loss
 from course_lib.one_process import grads_of, params_of
 from course_lib.parallel.collectives import ByteCounter, ring_all_reduce
 from course_lib.parallel.ddp import BucketedDDP, average_gradients
 from course_lib.reference import reference_for
-from course_lib.token_loss import global_token_count, global_valid_tokens, loss_sum_and_tokens, mask_padding, \
+from course_lib.training.token_loss import global_token_count, global_valid_tokens, loss_sum_and_tokens, mask_padding, \
     token_normalized
 
 __all__ = ["rank_train", "accumulation_step", "accumulate_gradients", "padded_batches", "rank_throughput",
@@ -126,7 +126,7 @@ def accumulate_gradients(ddp: BucketedDDP, model: nn.Module, micro_batches: list
     before), leaving in `.grad` the gradient of the global batch's loss; no optimizer step (lessons 02, 09).
 
     loss_norm='tokens': each micro-batch back-propagates its summed loss x n / N, N the valid tokens over every
-    micro-batch and rank (`course_lib.token_loss`; x n undoes the DDP's mean over n ranks): every valid token
+    micro-batch and rank (`course_lib.training.token_loss`; x n undoes the DDP's mean over n ranks): every valid token
     weighs 1/N, as in one process over the same tokens. loss_norm='mean': each micro-batch back-propagates its
     mean loss / k and DDP averages the ranks -- equal only when every micro-batch has as many valid tokens.
     micro_batches: [(x, y)], each (b, T), targets -100 at padding. Returns the loss of the global batch it

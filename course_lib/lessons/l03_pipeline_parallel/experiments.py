@@ -1,6 +1,6 @@
 """Experiments of lesson 03, shared by the lesson, its tests and benchmarks/bench_pipeline.py.
 
-Functions named ``rank_*`` run inside `course_lib.launch.run` on every rank (each builds the same seeded
+Functions named ``rank_*`` run inside `course_lib.runtime.launch.run` on every rank (each builds the same seeded
 model and keeps its own stage); the others run in one process. Several experiments go in one launch,
 because each launch costs seconds of start-up.
 """

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from course_lib import dist as cdist
-from course_lib.collective_counter import CollectiveCounter
+from course_lib.measure.collective_counter import CollectiveCounter
 from course_lib.config import ModelConfig
 from course_lib.lessons.errors import relative_error
 from course_lib.lessons.l04_tensor_parallel.experiments import tp_group

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
-from course_lib.collective_counter import CollectiveCounter
+from course_lib.measure.collective_counter import CollectiveCounter
 from course_lib.config import ModelConfig, small_config
 from course_lib.data import random_batches
 from course_lib.lessons.errors import max_relative_error
-from course_lib.memory_stats import SavedActivations
+from course_lib.measure.memory_stats import SavedActivations
 from course_lib.model import build_model, lm_loss
 from course_lib.one_process import train_reference
 from course_lib.parallel.tensor_model import apply_tensor_parallel, local_param_bytes, shard_like

@@ -2,7 +2,7 @@
 
 The exercises work on one flat vector: every parameter flattened and concatenated, zero-padded to N x S
 elements, so that rank r owns elements [r*S, (r+1)*S) (its shard). `FlatZero` is the given machinery around
-the learner's functions; the ``rank_try_*`` functions run inside `course_lib.launch.run` and return plain
+the learner's functions; the ``rank_try_*`` functions run inside `course_lib.runtime.launch.run` and return plain
 numbers for the test cells to compare.
 """
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib import dist as cdist
-from course_lib.collective_counter import CollectiveCounter
+from course_lib.measure.collective_counter import CollectiveCounter
 from course_lib.data import shard_batch
 from course_lib.dist import global_mean
 from course_lib.model import build_model

@@ -13,8 +13,8 @@ from __future__ import annotations
 from course_lib import dist as cdist
 from course_lib.config import ModelConfig
 from course_lib.data import random_batches
-from course_lib.hardware import hardware_label
-from course_lib.launch import run
+from course_lib.measure.hardware import hardware_label
+from course_lib.runtime.launch import run
 from course_lib.lessons.variants import VARIANTS, train_variant
 from course_lib.model import build_model
 from course_lib.theory.memory import zero_model_state_bytes

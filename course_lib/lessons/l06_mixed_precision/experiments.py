@@ -8,7 +8,7 @@
 - `autocast_dtypes`, `train_modes`, `speed_and_memory`: autocast, master weights and what low precision costs.
 - `rank_deepspeed`: DeepSpeed's ``bf16`` block (and ``fp16`` where a GPU is present) next to fp32.
 - `hysteresis_traces`: GradScaler's update kernel and DeepSpeed's fp16 `DynamicLossScaler` fed one overflow pattern.
-Functions named ``rank_*`` run inside `course_lib.launch.run`.
+Functions named ``rank_*`` run inside `course_lib.runtime.launch.run`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch.distributed as dist
 from course_lib import dist as cdist
 from course_lib.data import shard_batch
 from course_lib.lessons.variants import train_variant
-from course_lib.measure import synchronize, time_fn
-from course_lib.memory_stats import SavedActivations, model_state_bytes
+from course_lib.measure.speed import synchronize, time_fn
+from course_lib.measure.memory_stats import SavedActivations, model_state_bytes
 from course_lib.model import build_model
 from course_lib.parallel.deepspeed_config import deepspeed_config, import_deepspeed
 from course_lib.parallel.precision import DynamicLossScaler, MasterWeightOptimizer

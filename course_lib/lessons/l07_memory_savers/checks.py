@@ -15,7 +15,7 @@ from course_lib.config import ModelConfig, small_config
 from course_lib.data import random_batches
 from course_lib.grading.check import check_close, check_equal, check_true
 from course_lib.lessons.l07_memory_savers.experiments import measure_step, use_attention
-from course_lib.measure import count_flops
+from course_lib.measure.speed import count_flops
 from course_lib.model import build_model
 from course_lib.parallel.checkpointing import apply_activation_checkpointing
 

@@ -2,7 +2,7 @@
 
 - :class:`LiveActivations`: bytes of the tensors a step creates that are still alive, at the end of the
   forward (``held``: what backward will need) and at the worst moment (``peak``). ``SavedActivations``
-  (course_lib.measure) sees what autograd saves through saved-tensor hooks; checkpointing's selective
+  (course_lib.measure.speed) sees what autograd saves through saved-tensor hooks; checkpointing's selective
   policy keeps its tensors in its own cache, past those hooks, so here every storage an operator creates
   is followed (a ``TorchDispatchMode`` + weak references to the storages). Parameters and their ``.grad``
   are model state, not activations: excluded.
@@ -26,10 +26,10 @@ from torch.utils._pytree import tree_flatten
 
 from course_lib import dist as cdist
 from course_lib.data import random_batches
-from course_lib.hardware import hardware_label
+from course_lib.measure.hardware import hardware_label
 from course_lib.lessons.variants import train_variant
-from course_lib.measure import count_flops, time_fn
-from course_lib.memory_stats import SavedActivations, model_state_bytes
+from course_lib.measure.speed import count_flops, time_fn
+from course_lib.measure.memory_stats import SavedActivations, model_state_bytes
 from course_lib.model import build_model
 from course_lib.one_process import grads_of
 from course_lib.parallel.checkpointing import (apply_activation_checkpointing, recompute_attention_core,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from course_lib.config import PRESETS
 from course_lib.theory.memory import usable_offload
 from course_lib.theory.savers import best_checkpoint_every, checkpointed_activation_bytes, planner_bytes
-from course_lib.units import fmt_bytes
+from course_lib.measure.units import fmt_bytes
 
 __all__ = ["checkpoint_table", "selective_table", "checkpoint_figure", "attention_table", "attention_figure",
            "accumulation_table",

@@ -12,8 +12,8 @@ from typing import Callable
 from course_lib import dist as cdist
 from course_lib.config import get_preset
 from course_lib.grading.check import check_close, check_equal, check_true
-from course_lib.hardware import GPU_SPECS
-from course_lib.launch import run
+from course_lib.measure.hardware import GPU_SPECS
+from course_lib.runtime.launch import run
 from course_lib.reference import reference_for
 from course_lib.theory import planner
 from course_lib.theory.planner import GiB

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from course_lib import dist as cdist
-from course_lib.collective_counter import CollectiveCounter
+from course_lib.measure.collective_counter import CollectiveCounter
 from course_lib.data import random_batches, shard_batch
 from course_lib.lessons.errors import max_relative_error
 from course_lib.model import build_model

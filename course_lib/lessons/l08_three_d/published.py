@@ -40,7 +40,7 @@ import statistics
 import time
 
 from course_lib.config import ModelConfig, get_preset
-from course_lib.hardware import GPU_SPECS
+from course_lib.measure.hardware import GPU_SPECS
 from course_lib.theory import flops
 from course_lib.theory.planner import (CKPT, CP_VARIANTS, SCHEDULES, Cluster, Estimate, GiB, Layout, MoESpec,
                                        estimate, korthikanti_layer_bytes, plan, stage_in_flight, step_flops)

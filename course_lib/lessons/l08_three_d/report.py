@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from course_lib.config import PRESETS
-from course_lib.hardware import GPU_SPECS
+from course_lib.measure.hardware import GPU_SPECS
 from course_lib.lessons.display import plain_log_ticks
 from course_lib.theory.planner import Cluster, GiB, plan
 

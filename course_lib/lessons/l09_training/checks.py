@@ -20,11 +20,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from course_lib.alerts import AlertEngine, Rule
+from course_lib.training.alerts import AlertEngine, Rule
 from course_lib.config import small_config
 from course_lib.data import random_batches
 from course_lib.grading.check import check_close, check_equal, check_true
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 from course_lib.lessons.errors import relative_error
 from course_lib.lessons.l09_training.experiments import dp_tp_gradients, one_process_clip
 from course_lib.model import build_model
@@ -453,8 +453,8 @@ SPIKE_STREAMS = (  # (name, (window, warmup, z), values): every step's verdict i
 
 
 def spike_reference(window: int, warmup: int, z: float, values) -> list[bool]:
-    """The verdict of the course's detector (`course_lib.spikes.SpikeDetector`) at every value."""
-    from course_lib.spikes import SpikeDetector
+    """The verdict of the course's detector (`course_lib.training.spikes.SpikeDetector`) at every value."""
+    from course_lib.training.spikes import SpikeDetector
 
     det = SpikeDetector(window=window, warmup=warmup, z=z)
     return [det.update(v) for v in values]
@@ -462,7 +462,7 @@ def spike_reference(window: int, warmup: int, z: float, values) -> list[bool]:
 
 def _spike_zscores(window: int, warmup: int, z: float, values) -> list[float]:
     """The reference's z-score of every value against its window (0 in warm-up, inf when not finite)."""
-    from course_lib.spikes import SpikeDetector
+    from course_lib.training.spikes import SpikeDetector
 
     det, out = SpikeDetector(window=window, warmup=warmup, z=z), []
     for v in values:
@@ -497,7 +497,7 @@ def _spike_hint(step: int, values: list[float], want: list[bool], settings: tupl
 
 def check_spike_detector(detector_cls: Callable, streams=SPIKE_STREAMS) -> list[dict]:
     """A fresh ``detector_cls(window=, warmup=, z=)`` per stream; ``update(value)`` must return the verdict of the
-    course's reference (`course_lib.spikes.SpikeDetector`: a z-score over a sliding window of accepted values,
+    course's reference (`course_lib.training.spikes.SpikeDetector`: a z-score over a sliding window of accepted values,
     sample standard deviation, no verdict before ``warmup`` accepted values, spikes and non-finite values kept out
     of the window, a non-finite value always a spike) at every step of steady noise, a ramp, a spike during warm-up,
     two spikes in a row, a NaN and an inf, and other settings. Fails at the first step that differs, naming the

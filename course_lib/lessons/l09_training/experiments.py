@@ -10,9 +10,9 @@ Section 7 (when a large run goes wrong): the script's loss spike, rewound and sk
 and a loss that counts tokens right on DP 2 x accumulation 2 against one process (`token_loss_runs`); the rest of
 that section's experiments are in `large_runs` (instability, async saves, resharding).
 
-The training script itself is `course_lib.train`; its pieces are `parallel.schedules`, `parallel.clipping`,
-`parallel.dist_checkpoint`, `course_lib.monitor`, `course_lib.alerts`, `course_lib.spikes`, `course_lib.watchdog`
-and `course_lib.token_loss`.
+The training script itself is `course_lib.training.train`; its pieces are `parallel.schedules`, `parallel.clipping`,
+`parallel.dist_checkpoint`, `course_lib.training.monitor`, `course_lib.training.alerts`, `course_lib.training.spikes`, `course_lib.training.watchdog`
+and `course_lib.training.token_loss`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from course_lib import dist as cdist
 from course_lib.config import ModelConfig
 from course_lib.data import get_batch, shard_batch, text_corpus
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 from course_lib.lessons.errors import relative_error
 from course_lib.model import build_model
 from course_lib.parallel import schedules
@@ -202,7 +202,7 @@ def watch_training(config: str | Path, nprocs: int, overrides: dict, *, plot=Non
 
     from tqdm import tqdm                        # text, not a widget: a notebook's widgets are for controls
 
-    from course_lib import monitor, train
+    from course_lib.training import monitor, train
 
     cfg, _ = train.check(config, nprocs, overrides)
     if cfg.out_dir.exists():                          # a run of the same name before: its checkpoints would be resumed
@@ -374,7 +374,7 @@ def _rank_token_losses(cfg: ModelConfig, batches, accum: int, lr: float, rank_tr
     """On each rank: ``rank_train`` (lesson 02's bucketed DDP) with `accum` micro-batches per step, once per loss
     normalisation ('tokens': summed loss / global valid tokens; 'mean': each micro-batch's mean / accum, DDP's mean
     over ranks), plus this rank's valid tokens per micro-batch of the first batch."""
-    from course_lib.token_loss import IGNORE_INDEX
+    from course_lib.training.token_loss import IGNORE_INDEX
 
     r, n = dist.get_rank(), dist.get_world_size()
     y = shard_batch(batches[0][1], r, n)                                 # (B/n, T): this rank's rows

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from course_lib.config import ModelConfig
 from course_lib.data import get_batch, random_batches, shard_batch, text_corpus
-from course_lib.launch import run
+from course_lib.runtime.launch import run
 from course_lib.model import build_model, lm_loss, max_attention_logit, track_attention_logits, z_loss
 from course_lib.parallel import dist_checkpoint
 

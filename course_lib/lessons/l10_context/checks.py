@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import dist as cdist
-from course_lib.collective_counter import CollectiveCounter
+from course_lib.measure.collective_counter import CollectiveCounter
 from course_lib.grading.check import check_close, check_equal, check_true
 from course_lib.lessons.rank_records import RankRecords, replay_records
 from course_lib.parallel.block_attention import attend_block

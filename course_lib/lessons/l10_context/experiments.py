@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import dist as cdist
-from course_lib.memory_stats import SavedActivations
+from course_lib.measure.memory_stats import SavedActivations
 from course_lib.parallel.block_attention import (attend_block, block_pairs, blocks_of, blockwise_attention,
                                                  merge_partials, no_partial)
 from course_lib.theory.savers import attention_saved_bytes
@@ -124,7 +124,7 @@ def timed_ring_forward(q, k, v, layouts: list, clock) -> tuple[torch.Tensor, lis
 
 def _ring_timeline(batch, n_head, seq_len, head_dim, split, repeats):
     """The fastest of `repeats` timed ring forwards (a barrier before each) and its error vs SDPA on one rank."""
-    from course_lib.measure import Stopwatch
+    from course_lib.measure.speed import Stopwatch
     from course_lib.parallel.context import layouts as cp_layouts, split_sequence
 
     dev = cdist.device()
@@ -195,7 +195,7 @@ def rank_context_lab(cfg, batch, timeline: dict | None = None, try_torch: bool =
     """Every experiment of sections 3-5 on this rank, in one launch (cp = the world size):
     {"cases": {"variant/split": `_one_step`}, "timeline": {split: ...}, "torch": {...}, "hardware": label}.
     `timeline`: dict(batch=, n_head=, seq_len=, head_dim=, repeats=) for the timed ring forward (None: skipped)."""
-    from course_lib.hardware import hardware_label
+    from course_lib.measure.hardware import hardware_label
 
     out = dict(cases={f"{v}/{s}": _one_step(cfg, batch, v, s) for v, s in CASES},
                hardware=hardware_label(cdist.backend(), cdist.device()))

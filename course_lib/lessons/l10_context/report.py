@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from course_lib import theory
 from course_lib.lessons.display import COLORS, plain_log_ticks
-from course_lib.units import fmt_bytes
+from course_lib.measure.units import fmt_bytes
 
 __all__ = ["memory_table", "memory_figure", "equality_table", "work_figure", "timeline_figure", "comm_rows",
            "comm_table", "comm_figure", "which_wins_table"]

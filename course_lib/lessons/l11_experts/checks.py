@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
-from course_lib.collective_counter import CollectiveCounter
+from course_lib.measure.collective_counter import CollectiveCounter
 from course_lib.grading.check import check_close, check_equal
 from course_lib.lessons.rank_records import RankRecords, replay_records
 from course_lib.parallel.moe import SwiGLUExperts, capacity_of, dispatch_permutation, switch_loss

@@ -190,7 +190,7 @@ def rank_moe_lab(cfg, batches, lr: float, cases, skew: float = 1.0) -> dict:
     import torch.distributed as dist
 
     from course_lib import dist as cdist
-    from course_lib.hardware import hardware_label
+    from course_lib.measure.hardware import hardware_label
 
     world = dist.get_world_size()
     out = {f"k{k}/cf{cf}/ep{ep}": _run_ep(cfg, batches, k, cf, ep, lr)      # a case given twice runs once

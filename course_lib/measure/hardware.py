@@ -7,7 +7,7 @@ label that names the machine and backend of every number a lesson prints (lesson
   for what low precision costs on this CPU (lesson 06);
 - :func:`hardware_label` and :func:`default_device`.
 
-Measurements live apart: time and FLOP/s in `course_lib.measure`, bytes in `course_lib.memory_stats`.
+Measurements live apart: time and FLOP/s in `course_lib.measure.speed`, bytes in `course_lib.measure.memory_stats`.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def hardware_label(backend: str | None = None, device: torch.device | str | None
         name = torch.cuda.get_device_name(device)
         be = backend or "NCCL"
         return f"{name}, torch {tv}, CUDA {torch.version.cuda}, {be.upper() if be.lower() == 'nccl' else be}"
-    from course_lib.procs import usable_cores
+    from course_lib.runtime.procs import usable_cores
 
     label = f"CPU: {cpu_model_name()}, {usable_cores()} cores, {torch.get_num_threads()} threads, torch {tv}"
     return f"{label}, {backend}" if backend else label

@@ -1,6 +1,6 @@
 """Measuring how fast a training step runs: time, throughput, FLOPs, peak FLOP/s and MFU (lesson 01).
 
-Everything a lesson prints as "measured" names the machine it came from (`course_lib.hardware.hardware_label`).
+Everything a lesson prints as "measured" names the machine it came from (`course_lib.measure.hardware.hardware_label`).
 
 - Time: :class:`Timer` and :func:`time_fn` (warm-up, then the median of several repeats; on GPU
   ``torch.cuda.synchronize`` before reading the clock, because kernels run asynchronously); :class:`Stopwatch`
@@ -8,11 +8,11 @@ Everything a lesson prints as "measured" names the machine it came from (`course
   :func:`intervals_length` for the busy time of a profiled timeline.
 - Compute: :func:`count_flops` (``torch.utils.flop_counter.FlopCounterMode`` with the CPU attention
   kernel registered), :func:`tokens_per_s`, :func:`mfu`, :func:`peak_flops` (the datasheet row of
-  `course_lib.hardware.GPU_SPECS`, else :func:`measure_peak_matmul_flops`, as on a CPU, which has no datasheet number
+  `course_lib.measure.hardware.GPU_SPECS`, else :func:`measure_peak_matmul_flops`, as on a CPU, which has no datasheet number
   that matters).
 
-Bytes are counted in `course_lib.memory_stats`, collectives in `course_lib.collective_counter`, and numbers get their
-units from `course_lib.units`.
+Bytes are counted in `course_lib.measure.memory_stats`, collectives in `course_lib.measure.collective_counter`, and numbers get their
+units from `course_lib.measure.units`.
 
 MFU (model FLOPs utilisation) follows PaLM (Chowdhery et al. 2022, appendix B): achieved *model*
 FLOP/s (6N + attention per token, no recomputation) divided by the device's peak dense FLOP/s.
@@ -27,8 +27,8 @@ from typing import Callable
 
 import torch
 
-from course_lib import nccl_rules
-from course_lib.hardware import default_device, gpu_spec
+from course_lib.runtime import nccl_rules
+from course_lib.measure.hardware import default_device, gpu_spec
 
 # ---------------------------------------------------------------------------------------------
 # Time
@@ -37,7 +37,7 @@ from course_lib.hardware import default_device, gpu_spec
 
 def synchronize(device: torch.device | str | None = None) -> None:
     """Wait for queued GPU work (no-op on CPU). Never while a receive is pending: on a GPU this waits for NCCL's
-    streams too (`course_lib.nccl_rules`, rule 3, checks it on CPU runs)."""
+    streams too (`course_lib.runtime.nccl_rules`, rule 3, checks it on CPU runs)."""
     nccl_rules.note_synchronize()
     if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
         torch.cuda.synchronize(device)
@@ -77,7 +77,7 @@ class Stopwatch:
         clock.seconds(t1) - clock.seconds(t0)    # on a GPU: waits for the events, so call it after the work
 
     Unlike `Timer`, it never calls ``torch.cuda.synchronize()``, which would wait for NCCL's pending receives too
-    (`course_lib.nccl_rules`, rule 3): the way to time work between point-to-point messages (lesson 03).
+    (`course_lib.runtime.nccl_rules`, rule 3): the way to time work between point-to-point messages (lesson 03).
     """
 
     def __init__(self, device: torch.device | str | None = None):

@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course_lib.catalog import lessons
-from course_lib.lab_settings import lab_flags, write_lab_settings
+from course_lib.instructor.catalog import lessons
+from course_lib.instructor.lab_settings import lab_flags, write_lab_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,7 +66,7 @@ def doctor(nprocs: int = 2, timeout_s: float = 120) -> int:
     except ImportError:
         print("\nFAILED: torch cannot be imported; run `make lab` to create the environment")
         return 1
-    from course_lib.procs import usable_cores
+    from course_lib.runtime.procs import usable_cores
 
     line("cpu cores (usable)", str(usable_cores()))
     cuda = torch.cuda.is_available()
@@ -84,7 +84,7 @@ def doctor(nprocs: int = 2, timeout_s: float = 120) -> int:
     line("grading sandbox", sandbox.removeprefix("grading sandbox: "))
     n = min(nprocs, len(gpus)) if cuda and len(gpus) >= 2 else nprocs
     print(f"\n  running a {n}-rank job with torchrun ...", flush=True)
-    from course_lib.launch import DistributedRunError, LaunchError, run
+    from course_lib.runtime.launch import DistributedRunError, LaunchError, run
 
     try:
         res = run(_doctor_job, n, timeout_s=timeout_s, stream=False, fresh=True)   # a real start-up
@@ -190,7 +190,7 @@ class LabPlan:
 def plan_lab(ip: str = "localhost", port: int | None = None, gpus: str | None = None, no_browser: bool = False,
              extra: list[str] = (), environ: dict[str, str] | None = None) -> LabPlan:
     """Check `course lab`'s flags and decide the server's command and environment; `LabError` on bad input."""
-    from course_lib import gpus as gpu_select
+    from course_lib.runtime import gpus as gpu_select
 
     env = dict(os.environ if environ is None else environ)
     if port is not None:
@@ -260,7 +260,7 @@ def lab(ip: str = "localhost", port: int | None = None, gpus: str | None = None,
     import signal
     import subprocess
 
-    from course_lib.browser import sigterm_when_parent_dies
+    from course_lib.instructor.browser import sigterm_when_parent_dies
 
     try:
         plan = plan_lab(ip, port, gpus, no_browser, extra)
@@ -299,15 +299,15 @@ def lab(ip: str = "localhost", port: int | None = None, gpus: str | None = None,
 
 def run_notebook(path: Path, out_dir: Path, cell_timeout: float = 600) -> int:
     """Execute a notebook cell by cell in a fresh kernel with a progress bar; keep the executed copy and, beside
-    it, the comparisons the lesson recorded (``NN_name.comparisons.jsonl``, `course_lib.comparisons`).
+    it, the comparisons the lesson recorded (``NN_name.comparisons.jsonl``, `course_lib.measure.comparisons`).
 
     Returns 0 when every cell ran, 1 when one failed (the run stops there, like JupyterLab's "run all").
     Whatever the notebook started (torchrun jobs included) is killed at the end.
     """
     from tqdm.auto import tqdm
 
-    from course_lib import comparisons
-    from course_lib.lab_report import count_code_cells, execute_notebook
+    from course_lib.measure import comparisons
+    from course_lib.instructor.lab_report import count_code_cells, execute_notebook
 
     out_path = out_dir / path.name.replace(".ipynb", ".executed.ipynb")
     records = out_dir / path.name.replace(".ipynb", ".comparisons.jsonl")
@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gpu-check", help="self-test of this node: launcher, collectives, hang canaries, peak, memory")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds per distributed check (default 90)")
-    p.set_defaults(func=lambda a: __import__("course_lib.gpu_check", fromlist=["main"]).main(a.timeout))
+    p.set_defaults(func=lambda a: __import__("course_lib.instructor.gpu_check", fromlist=["main"]).main(a.timeout))
 
     p = sub.add_parser("lab", allow_abbrev=False, help="open JupyterLab on the course index (extra args go to "
                        "jupyter lab)")
@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     from course_lib.grading.commands import add_parsers
-    from course_lib.lab_report import add_parser as add_lab_report
+    from course_lib.instructor.lab_report import add_parser as add_lab_report
 
     add_parsers(sub)
     add_lab_report(sub)

@@ -2,7 +2,7 @@
 
 A class on one shared node gives each learner a slice of its GPUs: ``course lab --gpus 2,3 --port 8891`` starts a
 JupyterLab whose environment holds ``CUDA_VISIBLE_DEVICES=2,3``; its kernels inherit it, and so does every rank they
-start with `course_lib.launch.run`. Inside, CUDA numbers the slice 0, 1, so `dist.pick_backend` counts 2 GPUs: NCCL
+start with `course_lib.runtime.launch.run`. Inside, CUDA numbers the slice 0, 1, so `dist.pick_backend` counts 2 GPUs: NCCL
 for runs of up to 2 ranks, gloo on the CPU for larger ones (said once), and learners never share a GPU.
 
     ids = parse_gpus("2,3", available=machine_gpus())     # [2, 3], or GpuSelectionError naming the flag and the fix

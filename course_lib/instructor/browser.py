@@ -1,6 +1,6 @@
 """Lessons in a real JupyterLab 4, in headless Chromium, run the way a learner runs them (Run > Run All Cells).
 
-    from course_lib import browser
+    from course_lib.instructor import browser
     with browser.Lab(Path("runs/browser/x")) as lab:    # one JupyterLab server and one Chromium for every lesson
         result = lab.run_lesson(Path("notebooks/01_bottlenecks.ipynb"))
         assert result.ok, result.report()
@@ -37,7 +37,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course_lib import procs
+from course_lib.runtime import procs
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
@@ -168,7 +168,7 @@ class Lab:
     def start(self) -> None:
         from playwright.sync_api import sync_playwright
 
-        from course_lib.lab_settings import lab_flags, write_lab_settings
+        from course_lib.instructor.lab_settings import lab_flags, write_lab_settings
 
         write_lab_settings()
         self.run_dir.mkdir(parents=True, exist_ok=True)

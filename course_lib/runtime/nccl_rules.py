@@ -15,16 +15,16 @@ gloo on a CPU forgives three things that NCCL on GPUs does not:
    blocks it the same way. Ops posted together in one ``dist.batch_isend_irecv`` form one group and match in any
    order. Checked: when the run ends, the point-to-point ops of every pair of ranks are replayed in posting order;
    a state where neither rank's next group can proceed is reported as the deadlock it would be.
-3. **Synchronising the device waits for NCCL too.** ``torch.cuda.synchronize()`` (so `course_lib.measure.synchronize`
+3. **Synchronising the device waits for NCCL too.** ``torch.cuda.synchronize()`` (so `course_lib.measure.speed.synchronize`
    and its timers) waits for every stream, NCCL's included: called while a receive is posted and not yet waited for,
    it waits for a message whose sender may be waiting for this rank. Checked: a synchronize while a receive is
-   pending is an error. Time GPU work with CUDA events instead (`course_lib.measure.Stopwatch`).
+   pending is an error. Time GPU work with CUDA events instead (`course_lib.measure.speed.Stopwatch`).
 
     with enforced(args) as state:   # on every rank, around the rank function; args: its arguments
         value = fn(*args)
     check_pairs(state.groups)       # collective: every rank calls it after its function returned
 
-`course_lib.launch.run` checks rules 1 and 3 in every rank when the environment has ``COURSE_NCCL_RULES=1`` (the
+`course_lib.runtime.launch.run` checks rules 1 and 3 in every rank when the environment has ``COURSE_NCCL_RULES=1`` (the
 test command sets it, so every distributed test, lesson and solution notebook is checked) and replays rule 2 itself
 once every rank has returned (`replay_pairs` on the posts the ranks report), so that a rank that finished is never
 held up by one that did not.
@@ -58,7 +58,7 @@ _COURSE = str(Path(__file__).resolve().parent) + os.sep     # the course's own c
 
 
 class NcclRuleError(RuntimeError):
-    """The run broke one of NCCL's rules (see `course_lib.nccl_rules`): on GPUs it would fail or hang."""
+    """The run broke one of NCCL's rules (see `course_lib.runtime.nccl_rules`): on GPUs it would fail or hang."""
 
 
 class _State:
@@ -318,13 +318,13 @@ def replay_pairs(groups_by_rank: list[list[list[tuple[str, int]]]]) -> list[str]
 # ------------------------------------------------------------------------------------------ 3. synchronize
 
 def note_synchronize() -> None:
-    """Called by `course_lib.measure.synchronize` (and ``torch.cuda.synchronize`` while checking): rule 3."""
+    """Called by `course_lib.measure.speed.synchronize` (and ``torch.cuda.synchronize`` while checking): rule 3."""
     if _STATE is not None and _STATE.pending_recvs:
         pending = ", ".join(sorted(set(_STATE.pending_recvs.values())))
         raise NcclRuleError(
             f"the device is synchronised while a receive is pending ({pending}): on a GPU, torch.cuda.synchronize "
             f"waits for that NCCL receive, whose sender may be waiting for this rank. Wait for the receive first, "
-            f"or time the work with CUDA events (course_lib.measure.Stopwatch)")
+            f"or time the work with CUDA events (course_lib.measure.speed.Stopwatch)")
 
 
 # ------------------------------------------------------------------------------------------ switching it on

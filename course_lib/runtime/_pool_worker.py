@@ -1,8 +1,8 @@
-"""The program torchrun starts in every rank of a warm pool (`course_lib.pool`).
+"""The program torchrun starts in every rank of a warm pool (`course_lib.runtime.pool`).
 
-    python -m torch.distributed.run ... -m course_lib._pool_worker POOL_DIR
+    python -m torch.distributed.run ... -m course_lib.runtime._pool_worker POOL_DIR
 
-Like `course_lib._worker`, but it stays: it imports torch and joins the default process group once, then
+Like `course_lib.runtime._worker`, but it stays: it imports torch and joins the default process group once, then
 connects to the launcher's socket and runs one job after another. For each job the launcher sends a line
 ``job RUN_DIR``; the rank writes its log, result or error to RUN_DIR exactly as a fresh rank would, puts the
 process back in the state a fresh one starts in (`Baseline.restore`) and answers ``ready`` (or
@@ -13,7 +13,7 @@ answers ``failed``, destroys every process group it is in (its connections close
 once, as it would if the rank had exited), and joins a new default group with the other ranks (a store prefix of
 its own per run, so no stale address is read): the launcher reports the error and keeps the pool, and a learner's
 next run does not pay a start-up. A rank that cannot rejoin (a peer still blocked) is killed with the pool after a
-grace period (`course_lib.launch`). Under NCCL, and on KeyboardInterrupt or SystemExit, the rank exits: torchrun
+grace period (`course_lib.runtime.launch`). Under NCCL, and on KeyboardInterrupt or SystemExit, the rank exits: torchrun
 then stops the other ranks and the launcher discards the pool. When the launcher goes away (the kernel exits or
 is killed), the socket closes or the launcher's pid disappears, and every rank exits at once.
 """
@@ -25,7 +25,7 @@ import sys
 import time
 import types
 
-from course_lib._worker import (T_START, die_with_parent, init_process_group, redirect_output, report_failure,
+from course_lib.runtime._worker import (T_START, die_with_parent, init_process_group, redirect_output, report_failure,
                                 wait_for_every_rank)
 
 #: Packages whose module-level globals may keep a process group or a DeviceMesh that a job created (DeepSpeed's
@@ -316,7 +316,7 @@ def main() -> int:
         failed = stays = False
         try:
             baseline.prepare(spec["cwd"])
-            from course_lib._worker import run_job
+            from course_lib.runtime._worker import run_job
 
             run_job(run_dir, rank, timings)
             # Every rank is done before any destroys the run's groups: a slower rank may still be connecting to

@@ -8,7 +8,7 @@ It runs `course gpu-check` first (the node's self-test), then each selected less
 kernel with one progress bar (lesson, cell, elapsed, remaining estimated from the cells left), and writes:
 
 - ``DIR/index.html``: the hardware inventory, the self-test's table, one row per lesson (status, wall time, sizes,
-  comparisons passed), every recorded comparison (`course_lib.comparisons`) with pass / out of tolerance / not
+  comparisons passed), every recorded comparison (`course_lib.measure.comparisons`) with pass / out of tolerance / not
   run, the first plot of each lesson, and links to each executed lesson rendered by nbconvert (``NN_name.html``,
   plots embedded). Self-contained: images are data URIs, it opens from the file system;
 - ``DIR/report.json`` (the same, for scripts; ``--compare`` reads it), ``DIR/NN_name.executed.ipynb`` and
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course_lib import comparisons
+from course_lib.measure import comparisons
 
 __all__ = ["LessonRun", "parse_lessons", "count_code_cells", "execute_notebook", "run_report", "write_report",
            "compare_reports", "main"]
@@ -107,7 +107,7 @@ def execute_notebook(path: Path, out_path: Path, cell_timeout: float = 600, env:
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
-    from course_lib import procs
+    from course_lib.runtime import procs
 
     nb = nbformat.read(path, as_version=4)
     tag = procs.new_tag("courserun")
@@ -165,8 +165,8 @@ def run_report(keys: list[str], found: dict[str, Path], out: Path, quick: bool =
     import torch
     from tqdm.auto import tqdm
 
-    from course_lib import gpu_check as node_check
-    from course_lib import hardware
+    from course_lib.instructor import gpu_check as node_check
+    from course_lib.measure import hardware
 
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -315,7 +315,7 @@ def index_html(report: dict) -> str:
                          c.tolerance(), c.against, c.status, c.hardware])
             classes.append(_slug(c.status))
     parts += ["<h2>Comparisons</h2>", "<p><small>a measurement beside its formula or its library twin, as each "
-              "lesson printed it (course_lib.comparisons)</small></p>",
+              "lesson printed it (course_lib.measure.comparisons)</small></p>",
               _table(["lesson", "comparison", "measured", "expected", "unit", "tolerance", "against", "result",
                       "hardware"], rows, classes)]
     figures = [f"<figure><img alt='first plot of lesson {_e(r.key)}' src='{r.first_plot}'><figcaption>"
@@ -396,8 +396,8 @@ def compare_html(a: dict, b: dict, names: tuple[str, str]) -> str:
 # ---------------------------------------------------------------------------------------------- main
 
 def main(args) -> int:
-    """``course lab-report`` (arguments from `course_lib.cli`)."""
-    from course_lib.catalog import lessons
+    """``course lab-report`` (arguments from `course_lib.instructor.cli`)."""
+    from course_lib.instructor.catalog import lessons
 
     out = Path(args.out)
     if args.compare:
@@ -434,9 +434,9 @@ def main(args) -> int:
 
 
 def _restrict_gpus(spec: str) -> dict[str, str] | None:
-    """``--gpus 2,3``: the environment that shows this report only those GPUs (`course_lib.gpus`), said in one
+    """``--gpus 2,3``: the environment that shows this report only those GPUs (`course_lib.runtime.gpus`), said in one
     line; None, after a one-line error, when the machine has no such GPU."""
-    from course_lib import gpus
+    from course_lib.runtime import gpus
 
     try:
         ids = gpus.parse_gpus(spec, gpus.machine_gpus())

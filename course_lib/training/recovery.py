@@ -1,7 +1,7 @@
 """Recovering from a loss spike as large runs did (lesson 09, second part), for the training script
-(`course_lib.train`).
+(`course_lib.training.train`).
 
-`SpikeWatch` runs the z-score detectors of ``[spikes]`` (`course_lib.spikes`) on the all-reduced loss and gradient
+`SpikeWatch` runs the z-score detectors of ``[spikes]`` (`course_lib.training.spikes`) on the all-reduced loss and gradient
 norm, so every rank takes the same decision. `recover` does PaLM's recovery (Chowdhery et al. 2022, section 5.1: "we
 re-started training from a checkpoint roughly 100 steps before the spike started, and skipped roughly 200-500 data
 batches"): load the newest checkpoint before the spike, move the data loader past the batches read since, optionally
@@ -24,7 +24,7 @@ class SpikeWatch:
     rank takes the same decision with no extra collective."""
 
     def __init__(self, cfg):
-        from course_lib.spikes import SpikeDetector
+        from course_lib.training.spikes import SpikeDetector
 
         s = cfg.spikes
         self.detectors = {m: SpikeDetector(s.window, s.warmup, s.z) for m in ("loss", "grad_norm")}

@@ -1,6 +1,6 @@
-"""The program torchrun starts in every rank for `course_lib.launch.run`.
+"""The program torchrun starts in every rank for `course_lib.runtime.launch.run`.
 
-    python -m torch.distributed.run ... -m course_lib._worker RUN_DIR
+    python -m torch.distributed.run ... -m course_lib.runtime._worker RUN_DIR
 
 It sends its output to RUN_DIR/rank{R}.log, sets the thread count, initialises the default process group,
 runs the pickled function and writes RUN_DIR/result{R}.pkl (or error{R}.json with its own traceback).
@@ -97,7 +97,7 @@ def run_job(run_dir: str, rank: int, timings: dict) -> None:
     before = reference.enter_job(run_dir)                # while graded: the course's answers refused to the learner's
     try:
         if os.environ.get("COURSE_NCCL_RULES") == "1":  # the test command: check NCCL's rules on gloo
-            from course_lib import nccl_rules
+            from course_lib.runtime import nccl_rules
 
             with nccl_rules.enforced((args, kwargs)) as state:
                 value = fn(*args, **kwargs)

@@ -5,8 +5,8 @@
 
 One section per concern, each a frozen dataclass that validates its fields; `validate_world` checks what needs the
 world size (dp x tp x pp = ranks, the batch divisible into micro-batches). Every error is a `ConfigError` naming the
-file, the field as ``section.key`` and the fix, raised before any process starts (`course_lib.train.launch` and
-``python -m course_lib.train --config X --check`` both validate first).
+file, the field as ``section.key`` and the fix, raised before any process starts (`course_lib.training.train.launch` and
+``python -m course_lib.training --config X --check`` both validate first).
 
 Sections and what they hold (defaults in the dataclasses below):
 
@@ -30,12 +30,12 @@ Sections and what they hold (defaults in the dataclasses below):
   only: 'spike' poisons the global batch at data position ``step`` (its targets scrambled on every rank), 'lr_jump'
   multiplies the learning rate of the update of step ``step`` by ``factor`` (first pass only), 'hang' stops rank
   ``rank`` at step ``step`` without dying.
-- ``[spikes]``: loss-spike detection and PaLM's recovery (`course_lib.spikes`): detect, window, warmup, z (the
+- ``[spikes]``: loss-spike detection and PaLM's recovery (`course_lib.training.spikes`): detect, window, warmup, z (the
   z-score detector on the loss and the gradient norm); rewind (go back to the newest checkpoint at least
   ``min_steps_back`` steps before the spike, skip the batches read since it and ``skip_batches`` more), lr_factor
   (the learning rate after each rewind is multiplied by it), max_rewinds.
 - ``[watchdog]``: timeout_s (0: off; a rank without progress for this long is named and stopped, and with
-  ``--max-restarts`` the job resumes from its checkpoint: `course_lib.watchdog`), poll_s, step_seconds (the longest
+  ``--max-restarts`` the job resumes from its checkpoint: `course_lib.training.watchdog`), poll_s, step_seconds (the longest
   a healthy step takes on this machine, a checkpoint save included, measured: a timeout shorter is refused).
 - ``[deepspeed]``: config (a JSON file, relative to the TOML) or an inline ``[deepspeed.inline]`` table.
 """
@@ -230,7 +230,7 @@ class Logging:
     def validate(self) -> None:
         _int("logging.interval", self.interval, 1)
         _number("logging.alert_seconds_per_step", self.alert_seconds_per_step)
-        from course_lib.alerts import SEED_RULES
+        from course_lib.training.alerts import SEED_RULES
 
         names = {r.name for r in SEED_RULES}
         for name, value in self.alert_thresholds.items():
@@ -239,7 +239,7 @@ class Logging:
 
     def rules(self) -> tuple:
         """The seed's alert rules with this run's thresholds (a tiny model on a CPU is not a GPU cluster)."""
-        from course_lib.alerts import SEED_RULES
+        from course_lib.training.alerts import SEED_RULES
 
         return tuple(dataclasses.replace(r, threshold=self.alert_thresholds.get(r.name, r.threshold))
                      for r in SEED_RULES)

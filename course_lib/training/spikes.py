@@ -12,7 +12,7 @@ The detector judges a value against the values it accepted last: its z-score
 
 above `z` is a spike. Before `warmup` accepted values it gives no verdict (False), a spike is not added to the
 window (one bad value would widen the band and hide the next), and a non-finite value (inf, NaN) is always a
-spike. The training script (`course_lib.train`) runs two, on the loss and on the global gradient norm, both fed
+spike. The training script (`course_lib.training.train`) runs two, on the loss and on the global gradient norm, both fed
 the values all-reduced over the ranks, so that every rank takes the same decision; their state goes into each
 checkpoint (`state_dict`), so a resumed run judges as the uninterrupted one would.
 

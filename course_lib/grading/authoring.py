@@ -1,4 +1,6 @@
-"""Notebook plumbing shared by ``course build`` and ``course grade``: answer regions, test cells, I/O.
+"""The authoring format shared by ``course build`` and ``course grade``: answer regions, test cells, hashes.
+
+Reading and writing a notebook is `course_lib.notebook`'s (`read`, `write`, `dumps`, `source`, `NotebookError`).
 
 Authoring format (docs/CONVENTIONS.md, docs/GRADING.md):
 - an answer region is the lines from ``### BEGIN SOLUTION`` to ``### END SOLUTION``; the student copy
@@ -15,47 +17,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import nbformat
+from course_lib.notebook import NotebookError, source
 
 BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 HINT_RE = re.compile(r"^\s*### HINT ([12]):\s*(.*?)\s*$")    # the first points to the idea, the second to the code
 GENERIC_HINT = "replace this line with your implementation"
-
-
-class NotebookError(ValueError):
-    """A notebook cannot be read, or an authored notebook breaks the format (names the cell)."""
-
-
-def read(path: str | Path) -> nbformat.NotebookNode:
-    """Read a notebook (any nbformat 4.x); raises `NotebookError` with the reason."""
-    path = Path(path)
-    try:
-        nb = nbformat.read(str(path), as_version=4)
-    except FileNotFoundError:
-        raise NotebookError(f"{path}: no such file") from None
-    except Exception as exc:  # noqa: BLE001 - bad JSON, bad schema, binary junk...
-        raise NotebookError(f"{path}: not a readable notebook ({type(exc).__name__}: "
-                            f"{' '.join(str(exc).split())[:200]})") from None
-    if not isinstance(nb.get("cells"), list):
-        raise NotebookError(f"{path}: not a notebook (no list of cells)")
-    return nb
-
-
-def dumps(nb: Any) -> str:
-    """Deterministic JSON text as Jupyter writes it (sorted keys, indent 1, sources as lists of lines,
-    trailing newline): equal notebooks give equal bytes."""
-    text = nbformat.writes(nbformat.from_dict(nb), version=4)
-    return text if text.endswith("\n") else text + "\n"
-
-
-def write(nb: Any, path: str | Path) -> None:
-    Path(path).write_text(dumps(nb), encoding="utf-8")
-
-
-def source(cell: Any) -> str:
-    src = cell.get("source", "")
-    return "".join(src) if isinstance(src, list) else str(src)
 
 
 def test_info(cell: Any) -> dict | None:

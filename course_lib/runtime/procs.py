@@ -1,6 +1,6 @@
 """Process-tree hygiene: find and kill every process a run started, however it escaped.
 
-Used by `course_lib.launch` (torchrun and its workers) and by the grader (a kernel and whatever a
+Used by `course_lib.runtime.launch` (torchrun and its workers) and by the grader (a kernel and whatever a
 submission started). Two nets catch everything:
 
 1. the tree: `psutil.Process(pid).children(recursive=True)`, collected *before* anything is killed, so

@@ -14,7 +14,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from course_lib.memory_stats import tensor_bytes
+from course_lib.measure.memory_stats import tensor_bytes
 
 # (the *_single forms are torch 2.14's names for the flat-tensor collectives; older releases lack them)
 COUNTED_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",

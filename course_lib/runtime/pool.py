@@ -3,16 +3,16 @@
 A fresh `launch.run` starts torchrun, a Python process per rank, imports torch and meets at the rendezvous:
 2.5-4.5 s on the course's 2-core CPU machines before the first line of the function, for work that often takes
 milliseconds. A pool does that once per (ranks, backend, threads per rank, environment) and then sends each run
-to the same ranks (`course_lib._pool_worker`), which put themselves back in a fresh process's state after every
+to the same ranks (`course_lib.runtime._pool_worker`), which put themselves back in a fresh process's state after every
 run.
 
-    from course_lib import pool
+    from course_lib.runtime import pool
     pool.enabled()        # False under COURSE_POOL=0, inside a rank, or in the grader's kernels
     pool.shutdown_all()   # what happens anyway when the kernel or the test session exits
 
 A pool is used by one run at a time (a second, concurrent run starts fresh processes). A run whose function raised
 on gloo ranks keeps the pool: the ranks rebuild their process group and the next run starts at once
-(`course_lib._pool_worker`); a run that dies without a Python exception, hangs, times out, is interrupted or
+(`course_lib.runtime._pool_worker`); a run that dies without a Python exception, hangs, times out, is interrupted or
 fails on NCCL discards it. A pool goes away with its owner: at exit, and if the owner is killed,
 because every rank watches its socket to the owner and exits when it closes. ``launch.run(fresh=True)`` skips
 the pool for runs that must measure a fresh process (start-up time, peak memory of a new process, faults).
@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from course_lib import procs
+from course_lib.runtime import procs
 
 #: Most ranks kept warm at once by one process (idle pools beyond it are shut down, least recently used first).
 #: A warm rank holds about 0.5 GB (torch imported), so the default keeps at most 8 (4 GB) per kernel.

@@ -1,4 +1,4 @@
-"""JupyterLab as the course runs it, for `course lab` and the browser test (`course_lib.browser`): the settings every
+"""JupyterLab as the course runs it, for `course lab` and the browser test (`course_lib.instructor.browser`): the settings every
 learner gets (no news prompt, the course kernel without asking, every cell rendered) and the flags it needs."""
 
 from __future__ import annotations

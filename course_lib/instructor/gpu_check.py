@@ -2,12 +2,12 @@
 
 On a GPU node it prints a table (check, expected, measured, pass) and exits non-zero when anything fails:
 
-- inventory: torch, CUDA, NCCL, every GPU with the datasheet row it gets (`course_lib.hardware.gpu_spec`: a wrong
+- inventory: torch, CUDA, NCCL, every GPU with the datasheet row it gets (`course_lib.measure.hardware.gpu_spec`: a wrong
   row would make every MFU of the course wrong), the CPU and its 16-bit support;
 - the launcher on 1, 2 and all GPUs (NCCL), and on GPUs + 1 ranks, which must fall back to gloo on the CPU;
 - exact results of every collective the course uses (all_reduce, all_gather, reduce_scatter, broadcast, and
   point-to-point messages in a ``batch_isend_irecv``), every run checked against NCCL's rules
-  (`course_lib.nccl_rules`);
+  (`course_lib.runtime.nccl_rules`);
 - hang canaries, each launch limited to a short timeout: ring all-reduce at 2 and 4 ranks, naive / GPipe / 1F1B
   pipelines at p = 2 and 4, with messages larger than NCCL's buffers (where a wrong order really hangs);
 - a bf16 matmul at 50-95 % of the datasheet row's peak (over 100 % means the row is wrong);
@@ -28,10 +28,12 @@ import torch
 import torch.distributed as dist
 
 from course_lib import dist as cdist
-from course_lib import hardware, measure, memory_stats, nccl_rules, pool, theory
+from course_lib import theory
+from course_lib.measure import hardware, memory_stats, speed
+from course_lib.runtime import nccl_rules, pool
 from course_lib.config import get_preset
-from course_lib.launch import DistributedRunError, run
-from course_lib.procs import usable_cores
+from course_lib.runtime.launch import DistributedRunError, run
+from course_lib.runtime.procs import usable_cores
 
 __all__ = ["Check", "inventory", "run_checks", "format_report", "main"]
 
@@ -161,7 +163,7 @@ def _launcher_checks(n_gpu: int) -> list[Check]:
         out.append(Check(f"warm ranks, {n} rank(s)", "same answers from the same ranks", "pool off (COURSE_POOL=0)",
                          None))
         return out
-    try:                                      # warm ranks (course_lib.pool): the same ranks answer twice
+    try:                                      # warm ranks (course_lib.runtime.pool): the same ranks answer twice
         first, again = (run(_rank_job, n, stream=False, timeout_s=120) for _ in range(2))
         same = first.pooled and again.pooled and first.returns == again.returns
         out.append(Check(f"warm ranks, {n} rank(s)", "same answers from the same ranks",
@@ -200,7 +202,7 @@ def _matmul_checks(device: torch.device) -> list[Check]:
     tflops = {}
     for dtype in (torch.float32, torch.bfloat16):
         a = torch.randn(n, n, device=device, dtype=dtype)
-        s = measure.time_fn(lambda: a @ a, warmup=2, repeats=5, device=device)
+        s = speed.time_fn(lambda: a @ a, warmup=2, repeats=5, device=device)
         tflops[dtype] = 2 * n ** 3 / s / 1e12
     spec = hardware.gpu_spec(torch.cuda.get_device_name(device)) if gpu else None
     if spec is not None:

@@ -1,15 +1,15 @@
 """The course's training script: a run as a team would operate it (lesson 09).
 
-    torchrun --nproc-per-node 2 -m course_lib.train --config configs/tiny_ddp.toml
-    python -m course_lib.train --config configs/tiny_ddp.toml --check --nprocs 2       # validate only
+    torchrun --nproc-per-node 2 -m course_lib.training --config configs/tiny_ddp.toml
+    python -m course_lib.training --config configs/tiny_ddp.toml --check --nprocs 2       # validate only
     launch(configs/tiny_ddp.toml, nprocs=2)                                               # from a notebook
 
 One loop, whatever the engine: each step takes this rank's micro-batches of the global batch (gradient
 accumulation), averages gradients over the data-parallel ranks (PyTorch DDP, FSDP2 or DeepSpeed ZeRO, as the
-TOML config says: `course_lib.train_config`), clips the global gradient norm across shards
+TOML config says: `course_lib.training.config`), clips the global gradient norm across shards
 (`parallel.clipping`), steps the optimizer and the learning-rate schedule (`parallel.schedules`), writes the
-step's metrics to TensorBoard and a JSON-lines stream (`course_lib.monitor`), evaluates the alert rules on them
-(`course_lib.alerts`), and every ``checkpoint.interval`` steps saves a distributed checkpoint
+step's metrics to TensorBoard and a JSON-lines stream (`course_lib.training.monitor`), evaluates the alert rules on them
+(`course_lib.training.alerts`), and every ``checkpoint.interval`` steps saves a distributed checkpoint
 (`parallel.dist_checkpoint`, DeepSpeed's own with engine 'deepspeed'). A run started again, by hand or by
 ``torchrun --max-restarts`` after a rank died, resumes from the newest checkpoint and continues bit-exactly.
 
@@ -19,20 +19,20 @@ fired and the time each step took.
 Data: `course_lib.data.WindowLoader`, a shuffling loader over a finite dataset of token windows whose position
 (epoch, batch) goes into every checkpoint: a resumed run reads on where the checkpoint stopped, which is not its step
 once batches were skipped. The loss is the summed loss over the global number of valid tokens of the step (every
-micro-batch of every rank: `course_lib.token_loss`, torchtitan's PR 2206), right with padded sequences too
+micro-batch of every rank: `course_lib.training.token_loss`, torchtitan's PR 2206), right with padded sequences too
 (``data.pad_fraction``).
 
 When a large run goes wrong (lesson 09, second part):
-- a loss spike: ``[spikes]`` runs a z-score detector (`course_lib.spikes`) on the loss and the gradient norm, both
+- a loss spike: ``[spikes]`` runs a z-score detector (`course_lib.training.spikes`) on the loss and the gradient norm, both
   all-reduced (the same numbers, hence the same decision, on every rank); on a spike the run goes back to the newest
   checkpoint at least ``min_steps_back`` steps before it, skips the batches read since that checkpoint (and
   ``skip_batches`` more), optionally lowers the learning rate (PaLM, Chowdhery et al. 2022, section 5.1), and records
-  it under ``spikes`` in the record (`course_lib.recovery`);
-- a hang: each rank writes a heartbeat (`course_lib.watchdog`) and `launch` watches them: a rank silent for
+  it under ``spikes`` in the record (`course_lib.training.recovery`);
+- a hang: each rank writes a heartbeat (`course_lib.training.watchdog`) and `launch` watches them: a rank silent for
   ``watchdog.timeout_s`` is named and stopped, and with ``max_restarts`` the job resumes from its checkpoint.
 
-    python -m course_lib.train --config configs/tiny_spike.toml --nprocs 2                     # launches torchrun
-    python -m course_lib.train --config configs/tiny_hang.toml --nprocs 2 --max-restarts 1
+    python -m course_lib.training --config configs/tiny_spike.toml --nprocs 2                     # launches torchrun
+    python -m course_lib.training --config configs/tiny_hang.toml --nprocs 2 --max-restarts 1
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class LossOf(torch.nn.Module):
     def forward(self, x, y):
         if not self.summed:
             return self.model.loss(x, y)
-        from course_lib.token_loss import loss_sum_and_tokens
+        from course_lib.training.token_loss import loss_sum_and_tokens
 
         out = self.model(x)
         return loss_sum_and_tokens(getattr(out, "logits", out), y)[0]       # (B, T, V) vs (B, T) -> ()
@@ -186,7 +186,7 @@ class Engine:
         micro-batch's summed loss (``data.loss = 'global_tokens'``: back-propagated as loss_sum x dp / N, N the
         step's valid tokens over every micro-batch and rank, as the engines average gradients over the dp ranks:
         `token_loss.token_normalized`) or its mean (``'micro_batch_mean'``: mean / micro-batches)."""
-        from course_lib.token_loss import token_normalized
+        from course_lib.training.token_loss import token_normalized
 
         def scaled(loss):
             return token_normalized(loss, n_global, grad_divisor=self.dp) if self.summed else loss / self.accum
@@ -326,10 +326,10 @@ def train(cfg, layout: dict) -> dict:
     """Run (or resume) the configured training on every rank; rank 0 returns and writes the run's record."""
     import torch.distributed as dist
 
-    from course_lib import alerts, monitor, recovery
+    from course_lib.training import alerts, monitor, recovery
     from course_lib import dist as cdist
-    from course_lib.token_loss import global_valid_tokens
-    from course_lib.watchdog import Heartbeat
+    from course_lib.training.token_loss import global_valid_tokens
+    from course_lib.training.watchdog import Heartbeat
 
     rank, world, device = dist.get_rank(), dist.get_world_size(), cdist.device()
     out = cfg.out_dir
@@ -511,7 +511,7 @@ def _progress(rank: int, start: int, total: int):
 def check(config: str | Path, nprocs: int, overrides: dict | None = None):
     """Load and validate a config for ``nprocs`` ranks, in this process: a bad config fails here, naming the
     field, before any rank starts. Returns (config, layout)."""
-    from course_lib.train_config import load_config, validate_world
+    from course_lib.training.config import load_config, validate_world
 
     cfg = load_config(config, overrides)
     layout = validate_world(cfg, nprocs)
@@ -528,17 +528,17 @@ def check(config: str | Path, nprocs: int, overrides: dict | None = None):
 
 def launch(config: str | Path, nprocs: int, overrides: dict | None = None, *, max_restarts: int = 0,
            timeout_s: float = 600.0, stream: bool = True, on_poll=None):
-    """Validate, then run ``python -m course_lib.train --config CONFIG`` under torchrun on ``nprocs`` ranks (from a
+    """Validate, then run ``python -m course_lib.training --config CONFIG`` under torchrun on ``nprocs`` ranks (from a
     notebook or a test). Returns (`launch.RunResult`, the record rank 0 wrote). ``on_poll`` as in
     `launch.run_script` (lesson 09 follows the metrics file with it).
 
-    With ``watchdog.timeout_s`` set, this process watches the ranks' heartbeats (`course_lib.watchdog`) every
+    With ``watchdog.timeout_s`` set, this process watches the ranks' heartbeats (`course_lib.training.watchdog`) every
     ``watchdog.poll_s``: a rank silent for longer is named (rank, step, seconds: printed, and in the record under
     ``hangs``) and stopped with SIGABRT (its Python stack goes to its log); torchrun then stops the others and, while
     ``max_restarts`` allows, starts them all again from the newest checkpoint. With no restart left the run fails
     with `watchdog.HangError` naming the rank; no process is left behind (`launch.run_script` kills the tree)."""
-    from course_lib import launch as launcher
-    from course_lib.watchdog import HangError, Watchdog
+    from course_lib.runtime import launch as launcher
+    from course_lib.training.watchdog import HangError, Watchdog
 
     cfg, _ = check(config, nprocs, overrides)
     args = ["--config", str(config)] + [f"--set={k}={json.dumps(v)}" for k, v in (overrides or {}).items()]
@@ -594,7 +594,7 @@ def _overrides(pairs: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m course_lib.training", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="a TOML run config, e.g. configs/tiny_ddp.toml")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a field (value in JSON: 40, 1e-3, true, \"ddp\")")
@@ -641,11 +641,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _launch_from_command_line(args, overrides: dict) -> int:
-    """``python -m course_lib.train --config X --nprocs N [--max-restarts R]``: `launch` from a shell."""
-    from course_lib import launch as launcher
+    """``python -m course_lib.training --config X --nprocs N [--max-restarts R]``: `launch` from a shell."""
+    from course_lib.runtime import launch as launcher
     from course_lib.dist import pick_backend
-    from course_lib.hardware import hardware_label
-    from course_lib.watchdog import HangError
+    from course_lib.measure.hardware import hardware_label
+    from course_lib.training.watchdog import HangError
 
     print(f"[train] {args.nprocs} ranks, {hardware_label(pick_backend(args.nprocs, announce=False))}", flush=True)
     try:

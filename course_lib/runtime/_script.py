@@ -1,8 +1,8 @@
-"""The program torchrun starts in every rank for `course_lib.launch.run_script`.
+"""The program torchrun starts in every rank for `course_lib.runtime.launch.run_script`.
 
-    python -m torch.distributed.run ... -m course_lib._script RUN_DIR SCRIPT [ARGS...]
+    python -m torch.distributed.run ... -m course_lib.runtime._script RUN_DIR SCRIPT [ARGS...]
 
-Same log, thread and error handling as `course_lib._worker`, but it runs a script as ``__main__``;
+Same log, thread and error handling as `course_lib.runtime._worker`, but it runs a script as ``__main__``;
 the script initialises its own process group.
 """
 
@@ -11,7 +11,7 @@ import runpy
 import sys
 import time
 
-from course_lib._worker import T_START, die_with_parent, redirect_output, report_failure, write_atomic
+from course_lib.runtime._worker import T_START, die_with_parent, redirect_output, report_failure, write_atomic
 
 
 def main() -> int:

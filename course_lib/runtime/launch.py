@@ -1,6 +1,6 @@
 """Start a distributed job from a notebook cell: the one way this course starts processes (lesson 00).
 
-    from course_lib.launch import run
+    from course_lib.runtime.launch import run
     res = run(fn, nprocs=2, args=(...,))
     res.returns          # fn's return value on every rank
 
@@ -12,7 +12,7 @@ streamed live into the notebook. On error, timeout or interrupt the whole proces
 results of ranks that finished are kept (``exc.partial``).
 
 The ranks of a finished run stay warm for the next run with the same ranks, backend, threads and environment
-(`course_lib.pool`): a re-run costs milliseconds instead of the seconds of a start-up, starts from a fresh
+(`course_lib.runtime.pool`): a re-run costs milliseconds instead of the seconds of a start-up, starts from a fresh
 process's state, and fails exactly as a fresh run fails. ``fresh=True`` asks for new processes.
 """
 
@@ -33,8 +33,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from course_lib import pool as pool_mod
-from course_lib import procs, reference
+from course_lib.runtime import pool as pool_mod
+from course_lib import reference
+from course_lib.runtime import procs
 
 MAX_PROCS = 64
 STREAM_LIMIT_BYTES = 200_000  # rank 0 output shown in the notebook; the log keeps everything
@@ -82,7 +83,7 @@ class RunResult:
     launch_time: float  # absolute time the launcher was started
     threads_per_rank: int = 1
     p2p_posts: list | None = None  # per rank, its point-to-point posts, when NCCL's rules were checked
-    pooled: bool = False  # ran on warm ranks (`course_lib.pool`) rather than freshly started ones
+    pooled: bool = False  # ran on warm ranks (`course_lib.runtime.pool`) rather than freshly started ones
 
     @property
     def value(self) -> Any:
@@ -269,7 +270,7 @@ def _new_run_dir() -> Path:
 
 
 def _job_dir(fn: Callable, args: Sequence, kwargs: dict | None, backend: str, threads: int, timeout_s: float) -> Path:
-    """A new run folder holding the pickled job and the settings every rank reads (`course_lib._worker`)."""
+    """A new run folder holding the pickled job and the settings every rank reads (`course_lib.runtime._worker`)."""
     payload = _pickle_payload(fn, args, kwargs or {})
     run_dir = _new_run_dir()
     (run_dir / "payload.pkl").write_bytes(payload)
@@ -571,11 +572,11 @@ def _outcome(state: str, result: RunResult, launcher_log: Path, returncode: int 
     if len(done) < nprocs or (returncode != 0 and state != "done"):
         raise _failure(result, launcher_log, returncode)
     if result.p2p_posts is not None:                  # the ranks checked NCCL's rules: replay their messages
-        from course_lib.nccl_rules import replay_pairs
+        from course_lib.runtime.nccl_rules import replay_pairs
 
         found = replay_pairs(result.p2p_posts)
         if found:
-            raise DistributedRunError("NCCL's rules (course_lib/nccl_rules.py, rule 2), which gloo forgives: "
+            raise DistributedRunError("NCCL's rules (course_lib/runtime/nccl_rules.py, rule 2), which gloo forgives: "
                                       + "; ".join(found) + f"\nlogs: {run_dir}", rank=None, traceback="",
                                       partial=result)
     return result
@@ -647,7 +648,7 @@ def _pool_for(nprocs: int, backend: str, threads: int, env: dict | None) -> "poo
     key = (nprocs, backend, threads, tuple(sorted(key_env.items())))
     settings = {"backend": backend, "threads_per_rank": threads}
     make = lambda: pool_mod.Pool(key, nprocs, lambda folder: torchrun_command(  # noqa: E731
-        ["-m", "course_lib._pool_worker", str(folder)], nprocs), child_env, settings, _runs_base())
+        ["-m", "course_lib.runtime._pool_worker", str(folder)], nprocs), child_env, settings, _runs_base())
     return pool_mod.acquire(key, make)
 
 
@@ -669,7 +670,7 @@ def run(fn: Callable, nprocs: int, *, args: Sequence = (), kwargs: dict | None =
         stream: show rank 0's output live.
         port: rendezvous port; None lets the OS choose a free one (recommended).
         threads_per_rank: CPU threads per rank; default shares the machine's cores among the ranks.
-        fresh: start new processes even where warm ones are available (`course_lib.pool`): for runs that
+        fresh: start new processes even where warm ones are available (`course_lib.runtime.pool`): for runs that
             measure a new process (its start-up time, its peak memory) or that kill ranks on purpose.
             Runs with a fixed ``port``, runs inside a rank and runs under COURSE_POOL=0 are always fresh.
     """
@@ -686,7 +687,7 @@ def run(fn: Callable, nprocs: int, *, args: Sequence = (), kwargs: dict | None =
         warm = _pool_for(nprocs, backend, threads, env)
         if warm is not None:
             return _launch_pooled(warm, nprocs, backend, timeout_s, stream, run_dir, threads)
-    return _launch(["-m", "course_lib._worker", str(run_dir)], nprocs, backend, timeout_s, env, stream,
+    return _launch(["-m", "course_lib.runtime._worker", str(run_dir)], nprocs, backend, timeout_s, env, stream,
                    run_dir, port, threads)
 
 
@@ -708,7 +709,7 @@ def run_nodes(fn: Callable, nnodes: int, nproc_per_node: int, *, args: Sequence 
     backend = resolve_backend(backend, nprocs)
     threads = max(1, procs.usable_cores() // nprocs)
     run_dir = _job_dir(fn, args, kwargs, backend, threads, timeout_s)
-    return _launch(["-m", "course_lib._worker", str(run_dir)], nprocs, backend, timeout_s, env, stream, run_dir,
+    return _launch(["-m", "course_lib.runtime._worker", str(run_dir)], nprocs, backend, timeout_s, env, stream, run_dir,
                    None, threads, nnodes=nnodes)
 
 
@@ -723,7 +724,7 @@ def run_script(path: str | os.PathLike, nprocs: int, args: Sequence[str] = (), *
     ``print_command=True`` prints the torchrun command to run it by hand, and the form for ``nnodes`` nodes.
     ``returns`` are None for scripts: read results from files the script writes.
     ``max_restarts``: torchrun restarts every rank up to this many times after one fails (``--max-restarts``);
-    the script must resume from its own checkpoint (lesson 09's `course_lib.train` does).
+    the script must resume from its own checkpoint (lesson 09's `course_lib.training.train` does).
     ``on_poll``: called in this thread every 50 ms while the script runs (e.g. to follow a file it writes and
     redraw a plot); Ctrl-C or an error it raises stops the run and kills its processes.
     """
@@ -748,6 +749,6 @@ def run_script(path: str | os.PathLike, nprocs: int, args: Sequence[str] = (), *
               shlex.join(torchrun_command([str(script), *args], nprocs, nnodes=max(nnodes, 2))))
     threads = max(1, procs.usable_cores() // nprocs)
     run_dir = _new_run_dir()
-    wrapper = ["-m", "course_lib._script", str(run_dir), str(script.resolve()), *map(str, args)]
+    wrapper = ["-m", "course_lib.runtime._script", str(run_dir), str(script.resolve()), *map(str, args)]
     return _launch(wrapper, nprocs, "script", timeout_s, env, stream, run_dir, port, threads,
                    max_restarts=max_restarts, on_poll=on_poll)

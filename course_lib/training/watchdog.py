@@ -1,6 +1,6 @@
 """A watchdog for hangs: every rank reports its progress, the launching process names the one that stopped (lesson 09).
 
-    beat = Heartbeat(folder, rank)                 # in each rank (course_lib.train does it)
+    beat = Heartbeat(folder, rank)                 # in each rank (course_lib.training.train does it)
     beat(step, "start"); ...; beat(step, "sync")   # before the step's work, before the step's all-reduce
     dog = Watchdog(folder, nprocs, timeout_s=5)    # in the launching process, polled while the job runs
     stall = dog.poll()                             # a `Stall` naming the rank, its step, the seconds, or None
@@ -12,9 +12,9 @@ minutes or more. Here each rank writes a heartbeat file (its step, a phase, the 
 rank's newest heartbeat is older than ``timeout_s``, the watchdog blames, among the ranks that went quiet, the one
 that got least far (the others are waiting for it in the step's all-reduce), prints which rank stopped, at which
 step and how long ago (at most ``timeout_s`` + the poll interval after its last heartbeat), and stops it with
-SIGABRT: Python's faulthandler (``PYTHONFAULTHANDLER=1``, set by `course_lib.launch`) writes its stack into its
+SIGABRT: Python's faulthandler (``PYTHONFAULTHANDLER=1``, set by `course_lib.runtime.launch`) writes its stack into its
 log (where it was stuck: what a flight recorder tells), torchrun sees a failed rank, stops the others and, with
-``--max-restarts``, starts every rank again from the newest checkpoint (`course_lib.train`).
+``--max-restarts``, starts every rank again from the newest checkpoint (`course_lib.training.train`).
 
 On GPUs PyTorch does this job inside each rank, with NCCL (the settings to know):
 
