@@ -175,7 +175,7 @@ def main() -> int:
     same_csv = filecmp.cmp(runs[1]["csv"], runs[2]["csv"], shallow=False)
     same_json = (json.dumps(jobs.without_timings(runs[1]["results"]))
                  == json.dumps(jobs.without_timings(runs[2]["results"])))
-    escaped = (ROOT / "escaped.txt").exists() or "HACKED" in (ROOT / "course_lib" / "procs.py").read_text()
+    escaped = (ROOT / "escaped.txt").exists() or "HACKED" in (ROOT / "course_lib" / "runtime" / "procs.py").read_text()
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if "bench-class-left" in (p.info["cmdline"] or [])]
     ratio = runs[1]["wall"] / runs[2]["wall"]
     print(f"--jobs 1: {runs[1]['wall'] / 60:.1f} min, --jobs 2: {runs[2]['wall'] / 60:.1f} min: --jobs 2 is "

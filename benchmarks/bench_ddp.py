@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from course_lib.config import ModelConfig
-from course_lib.runtime.launch import run
+from course_lib.runtime import run
 
 TARGET = 0.95
 

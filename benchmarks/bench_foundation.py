@@ -27,7 +27,7 @@ def _job():
 
 
 def cold_start(repeats: int) -> None:
-    from course_lib.runtime.launch import run
+    from course_lib.runtime import run
 
     walls, breakdowns = [], []
     for _ in range(repeats):

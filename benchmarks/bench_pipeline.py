@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from course_lib.runtime.launch import run
+from course_lib.runtime import run
 from course_lib.runtime.procs import usable_cores
 
 

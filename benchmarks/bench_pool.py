@@ -38,7 +38,7 @@ def _job():
 
 
 def trivial_job(fresh_repeats: int = 5, warm_repeats: int = 20) -> None:
-    from course_lib.runtime.launch import run
+    from course_lib.runtime import run
 
     def wall(**kw):
         t0 = time.perf_counter()

@@ -15,7 +15,7 @@ import argparse
 import statistics
 
 from course_lib.config import ModelConfig
-from course_lib.runtime.launch import run
+from course_lib.runtime import run
 
 TARGET = 0.8
 

@@ -132,34 +132,34 @@ def test_a_warm_rank_on_a_gpu_starts_each_run_with_fresh_memory_stats(fake_gpus,
 def test_two_nodes_on_one_gpu_machine_get_their_own_gpus(monkeypatch, tmp_path):
     """`run_nodes` on a machine with 8 GPUs (mocked): each of the 2 launchers of 4 ranks sees its own 4 GPUs, so that
     LOCAL_RANK 0-3 on both "nodes" do not land on the same devices; all meet at one c10d endpoint on loopback."""
-    from course_lib.runtime import launch
+    from course_lib.runtime import torchrun
 
-    monkeypatch.setattr(launch, "_gpu_count", lambda: 8)
-    nodes = launch._node_commands(["-m", "x"], 8, 2, None, {"A": "1"}, tmp_path)
+    monkeypatch.setattr(torchrun, "_gpu_count", lambda: 8)
+    nodes = torchrun.node_commands(["-m", "x"], 8, 2, None, {"A": "1"}, tmp_path)
     assert [env["CUDA_VISIBLE_DEVICES"] for _, env in nodes] == ["0,1,2,3", "4,5,6,7"]
     endpoints = {a for cmd, _ in nodes for a in cmd if a.startswith("--rdzv-endpoint=127.0.0.1:")}
     assert len(endpoints) == 1 and all("--nnodes=2" in cmd and "--nproc-per-node=4" in cmd for cmd, _ in nodes)
-    monkeypatch.setattr(launch, "_gpu_count", lambda: 4)      # too few GPUs: the ranks run on gloo, env untouched
-    assert all("CUDA_VISIBLE_DEVICES" not in env for _, env in launch._node_commands(["-m", "x"], 8, 2, None, {},
-                                                                                      tmp_path))
+    monkeypatch.setattr(torchrun, "_gpu_count", lambda: 4)      # too few GPUs: the ranks run on gloo, env untouched
+    assert all("CUDA_VISIBLE_DEVICES" not in env for _, env in torchrun.node_commands(["-m", "x"], 8, 2, None, {},
+                                                                                       tmp_path))
 
 
 def test_training_script_keeps_the_seeds_deepspeed_config_as_written_on_a_gpu(fake_gpus, monkeypatch):
     """Lesson 09's script adapts seed 004's DeepSpeed JSON only where a CPU needs it: on a GPU its fp16 and its
     fused AdamW stay as written; on a CPU without fp16 kernels, bf16 and torch's AdamW."""
-    from course_lib.training import train
+    from course_lib.training import command, engine
     from course_lib.lessons.l09_training.experiments import CONFIGS
 
     seed = f"{CONFIGS}/seed004_deepspeed.toml"
     fake_gpus(["NVIDIA H100 80GB HBM3"] * 2)
-    cfg, layout = train.check(seed, 2)
-    conf = train.deepspeed_settings(cfg, layout)
+    cfg, layout = command.check(seed, 2)
+    conf = engine.deepspeed_settings(cfg, layout)
     assert conf["fp16"] == cfg.deepspeed["fp16"] and conf["fp16"]["enabled"] and not conf.get("bf16", {}).get("enabled")
     assert conf["optimizer"] == cfg.deepspeed["optimizer"] and "torch_adam" not in conf["optimizer"].get("params", {})
     assert "zero_force_ds_cpu_optimizer" not in conf
     fake_gpus([])
     monkeypatch.setattr(deepspeed_config, "cpu_features", lambda: {"fp16": False, "bf16": True, "amx": False})
-    conf = train.deepspeed_settings(cfg, layout)
+    conf = engine.deepspeed_settings(cfg, layout)
     assert conf["bf16"]["enabled"] and not conf["fp16"]["enabled"] and conf["optimizer"]["params"]["torch_adam"]
 
 

@@ -98,7 +98,7 @@ def _look_around():
     from course_lib.measure import speed, units
 
     return {"pid": os.getpid(), "groups": len(c10d._world.pg_map),
-            "leaked": hasattr(course_lib.model.GPT, "leaked") or hasattr(measure, "LEAKED_GLOBAL"),
+            "leaked": hasattr(course_lib.model.GPT, "leaked") or hasattr(speed, "LEAKED_GLOBAL"),
             "fmt": units.fmt_bytes(2 ** 20), "gelu": F.gelu(torch.tensor([-1.0])).item(),
             "threads": torch.get_num_threads(), "dtype": str(torch.get_default_dtype()),
             "grad": torch.is_grad_enabled(), "seed": torch.initial_seed(), "env": os.environ.get("COURSE_LEAK"),
@@ -212,7 +212,7 @@ def test_a_killed_owner_leaves_no_rank_behind(tmp_path):
     """A kernel killed with SIGKILL runs no atexit: the ranks notice that their owner is gone and exit."""
     code = ("import os, sys\n"
             "from course_lib.runtime.launch import run\n"
-            "from course_lib import pool\n"
+            "from course_lib.runtime import pool\n"
             "def pid():\n    return os.getpid()\n"
             "run(pid, 2, stream=False)\n"
             "print(' '.join(map(str, pool.warm_pools()[0].pids())), flush=True)\n"

@@ -35,10 +35,10 @@ LESSON = "sb_lesson"
 LIMITS = sandbox.Limits(memory_mb=768, max_procs=48)
 MARKER = "sandbox-test-left-behind"  # in the command line of the process a submission leaves running
 CHECKOUT_SOLUTION = Path(course_lib.__file__).resolve().parents[1] / "solutions" / "00_getting_started.ipynb"
-PATCHED = Path(course_lib.__file__).resolve().parent / "procs.py"
+PATCHED = Path(course_lib.__file__).resolve().parent / "runtime" / "procs.py"
 SITE_PACKAGES = Path(psutil.__file__).resolve().parents[1]
 PLANTED = SITE_PACKAGES / "zz_sandbox_test_planted.pth"
-DOUBLE_TEST = ('import builtins\nfrom course_lib import procs\nfrom course_lib.grading.check import check_equal, '
+DOUBLE_TEST = ('import builtins\nfrom course_lib.runtime import procs\nfrom course_lib.grading.check import check_equal, '
                'check_true\ncheck_equal("double(21)", double(21), 42)\n'
                'check_true("the course\'s harness is untouched", procs.new_tag("x").startswith("x-") '
                'and not hasattr(builtins, "planted"))')

@@ -1,4 +1,5 @@
-"""Tests of lesson 09's training script (course_lib/training/train.py, course_lib/training/config.py, configs/*.toml).
+"""Tests of lesson 09's training script (course_lib/training/: command.py, train.py, engine.py, config.py;
+configs/*.toml).
 
 Bad configs are refused in this process, naming the field, before any rank starts. Real runs on gloo ranks:
 a run whose rank 1 is SIGKILLed mid-run under ``torchrun --max-restarts=1`` resumes from its last distributed
@@ -15,7 +16,7 @@ import math
 import pytest
 
 from course_lib.runtime import launch as launcher
-from course_lib.training import monitor, train
+from course_lib.training import command, engine, monitor
 from course_lib.config import ConfigError
 from course_lib.parallel.deepspeed_config import deepspeed_accepts_fp16
 from course_lib.training.config import load_config, parse_config, validate_world
@@ -50,24 +51,24 @@ def test_world_and_deepspeed_batch_are_checked_before_launch(monkeypatch):
     with pytest.raises(ConfigError, match="data.global_batch: 8 is not a multiple of data.micro_batch x dp = 2 x 3"):
         validate_world(cfg, 3)
     with pytest.raises(ConfigError, match="deepspeed.gradient_accumulation_steps = 4 but"):
-        train.check(f"{CONFIGS}/seed004_deepspeed.toml", 4)
+        command.check(f"{CONFIGS}/seed004_deepspeed.toml", 4)
     started = []
     monkeypatch.setattr(launcher, "run_script", lambda *a, **k: started.append(a))
     with pytest.raises(ConfigError, match="fault.rank: 5 but the run has 2 ranks"):
-        train.launch(TINY, 2, {"fault.kind": "exit", "fault.rank": 5})
+        command.launch(TINY, 2, {"fault.kind": "exit", "fault.rank": 5})
     assert not started, "a bad config must be refused before any process starts"
 
 
 def test_command_line_check_and_override(capsys):
-    assert train.main(["--config", TINY, "--check", "--nprocs", "2", "--set", "schedule.steps=40"]) == 0
+    assert command.main(["--config", TINY, "--check", "--nprocs", "2", "--set", "schedule.steps=40"]) == 0
     assert "valid for 2 ranks" in capsys.readouterr().out
-    assert train.main(["--config", TINY, "--check", "--nprocs", "2", "--set", "optimizer.betas=[0.9]"]) == 2
+    assert command.main(["--config", TINY, "--check", "--nprocs", "2", "--set", "optimizer.betas=[0.9]"]) == 2
     assert "optimizer.betas" in capsys.readouterr().err
 
 
 def test_seed_deepspeed_config_is_kept_as_written_except_what_the_cpu_needs():
-    cfg, layout = train.check(f"{CONFIGS}/seed004_deepspeed.toml", 2)
-    conf = train.deepspeed_settings(cfg, layout)
+    cfg, layout = command.check(f"{CONFIGS}/seed004_deepspeed.toml", 2)
+    conf = engine.deepspeed_settings(cfg, layout)
     assert conf["scheduler"] == cfg.deepspeed["scheduler"] and conf["gradient_clipping"] == 1.0
     assert conf["zero_optimization"] == cfg.deepspeed["zero_optimization"]
     fp16 = deepspeed_accepts_fp16()
@@ -80,7 +81,7 @@ def _run(tmp_path, name: str, nprocs: int = 2, max_restarts: int = 0, **override
     sets = {"job.name": name, "job.out_dir": str(tmp_path / name), "schedule.steps": 8, "checkpoint.interval": 3,
             "logging.alert_seconds_per_step": 100.0,
             "logging.alert_thresholds": {"throughput_low": 1.0}, **overrides}
-    return train.launch(TINY, nprocs, sets, max_restarts=max_restarts, stream=False, timeout_s=300)
+    return command.launch(TINY, nprocs, sets, max_restarts=max_restarts, stream=False, timeout_s=300)
 
 
 def test_killed_rank_restarts_from_its_checkpoint_and_ends_as_if_never_killed(tmp_path):
@@ -131,9 +132,9 @@ def test_a_blown_up_loss_fires_loss_nan_at_once_and_loss_high_after_ten_minutes(
 
 
 def test_seed_deepspeed_config_trains_through_the_script(tmp_path):
-    result, rec = train.launch(f"{CONFIGS}/seed004_deepspeed.toml", 2,
-                               {"job.out_dir": str(tmp_path / "ds"), "schedule.steps": 4, "checkpoint.interval": 0},
-                               stream=False, timeout_s=300)
+    result, rec = command.launch(f"{CONFIGS}/seed004_deepspeed.toml", 2,
+                                 {"job.out_dir": str(tmp_path / "ds"), "schedule.steps": 4, "checkpoint.interval": 0},
+                                 stream=False, timeout_s=300)
     losses = list(rec["losses"].values())
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses)
     log = result.log(0)

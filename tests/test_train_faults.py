@@ -1,5 +1,5 @@
 """Lesson 09, second part: the training script when a large run goes wrong (course_lib/training/spikes.py, watchdog.py,
-train.py, data.WindowLoader).
+train.py, command.py, data.WindowLoader).
 
 - The z-score spike detector: warm-up, window, a spike kept out of the window, non-finite values, its state.
 - Configs that cannot apply are refused before launch, naming the field.
@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from course_lib.training import train
+from course_lib.training import command
 from course_lib.config import ConfigError
 from course_lib.data import WindowLoader
 from course_lib.training.spikes import SpikeDetector
@@ -132,19 +132,19 @@ def test_watchdog_blames_the_rank_that_got_least_far(tmp_path):
 ])
 def test_configs_that_cannot_apply_are_refused_naming_the_field(config, overrides, field, capsys):
     with pytest.raises(ConfigError, match=field.replace("(", r"\(").replace(")", r"\)")):
-        train.check(config, 2, overrides)
+        command.check(config, 2, overrides)
     sets = [f"--set={k}={json.dumps(v)}" for k, v in overrides.items()]
-    assert train.main(["--config", config, "--check", "--nprocs", "2", *sets]) == 2
+    assert command.main(["--config", config, "--check", "--nprocs", "2", *sets]) == 2
     assert field.split(":")[0] in capsys.readouterr().err
-    train.check(config, 2)                                                    # the configs as shipped are valid
+    command.check(config, 2)                                                  # the configs as shipped are valid
 
 
 # ------------------------------------------------------------------------------ real runs (2 gloo ranks)
 
 def _run(tmp_path, config, name, nprocs=2, max_restarts=0, on_poll=None, **overrides):
     sets = {"job.name": name, "job.out_dir": str(tmp_path / name), **overrides}
-    return train.launch(config, nprocs, sets, max_restarts=max_restarts, stream=False, timeout_s=300,
-                        on_poll=on_poll)
+    return command.launch(config, nprocs, sets, max_restarts=max_restarts, stream=False, timeout_s=300,
+                          on_poll=on_poll)
 
 
 def _checkpoint(path):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from course_lib.training.alerts import AlertEngine, Rule
 from course_lib.grading.check import CheckFailed
-from course_lib.lessons.l09_training import checks
+from course_lib.lessons.l09_training import checks, resume_checks
 from course_lib.parallel import clipping, schedules
 from course_lib.parallel import dist_checkpoint as ckpt
 from course_lib.training.spikes import SpikeDetector
@@ -306,8 +306,8 @@ def save_draws_a_number(folder, **kw):             # e.g. a random file name: mo
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")      # dist_checkpoint on one process
 def test_resume_references_pass():
     for save, load in ((save_reference, load_reference), (_save, _load)):
-        out = checks.check_resume(save, load)
-        assert out["resumed"] == out["losses"][checks.STOP:] and out["files"]
+        out = resume_checks.check_resume(save, load)
+        assert out["resumed"] == out["losses"][resume_checks.STOP:] and out["files"]
 
 
 @pytest.mark.parametrize("save, load, where", [
@@ -317,7 +317,7 @@ def test_resume_references_pass():
     (_save, load_step_as_position, r"\(step, data_position\) returned by load_checkpoint"),
     (save_draws_a_number, _load, "saving leaves torch's random state as it was")])
 def test_wrong_resumes_fail_naming_what_was_lost(save, load, where):
-    _fails(where, checks.check_resume, save, load)
+    _fails(where, resume_checks.check_resume, save, load)
 
 
 def test_a_load_that_draws_random_numbers_after_restoring_fails():
@@ -325,7 +325,7 @@ def test_a_load_that_draws_random_numbers_after_restoring_fails():
         out = _load(folder, **kw)
         torch.manual_seed(0)
         return out
-    _fails("torch's random state after load_checkpoint", checks.check_resume, _save, load_reseeding)
+    _fails("torch's random state after load_checkpoint", resume_checks.check_resume, _save, load_reseeding)
 
 
 @pytest.fixture
@@ -346,17 +346,17 @@ def cuda_present(monkeypatch):
 def test_resume_check_leaves_the_cuda_generators_out_on_a_cpu_machine():
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine: there the CUDA generators must be saved")
-    out = checks.check_resume(save_without_cuda, _load)        # nothing to save: the same answer passes
-    assert out["resumed"] == out["losses"][checks.STOP:]
+    out = resume_checks.check_resume(save_without_cuda, _load)        # nothing to save: the same answer passes
+    assert out["resumed"] == out["losses"][resume_checks.STOP:]
 
 
 def test_resume_check_compares_the_cuda_generators_where_cuda_is_present(cuda_present):
     """Where CUDA is present the table's CUDA row counts: an answer that saves torch's, Python's and NumPy's
     generators but not the CUDA ones fails, naming them; the solution's way passes. (dist_checkpoint's own save would
     open a CUDA stream, which this fake CUDA does not have.)"""
-    checks.check_resume(_save, _load)
-    msg = _fails("the CUDA generators' random state after load_checkpoint", checks.check_resume, save_without_cuda,
-                 _load)
+    resume_checks.check_resume(_save, _load)
+    msg = _fails("the CUDA generators' random state after load_checkpoint", resume_checks.check_resume,
+                 save_without_cuda, _load)
     assert "torch.cuda" in msg
 
 

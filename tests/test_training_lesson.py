@@ -93,17 +93,17 @@ def test_tables_and_the_waste_curve():
 def test_under_deepspeed_the_script_hands_clipping_to_deepspeed():
     """Lesson 09, section 2: under DeepSpeed the training script does not clip itself; DeepSpeed's
     ``gradient_clipping`` does, the JSON's own value or, where the JSON has none, ``clipping.max_norm``
-    (`train.deepspeed_settings`: ``conf.setdefault("gradient_clipping", cfg.clipping.max_norm)``)."""
+    (`engine.deepspeed_settings`: ``conf.setdefault("gradient_clipping", cfg.clipping.max_norm)``)."""
     import dataclasses
 
-    from course_lib.training import train
+    from course_lib.training import command, engine
 
-    cfg, layout = train.check(experiments.CONFIGS / "seed004_deepspeed.toml", 2, {"clipping.max_norm": 0.5})
+    cfg, layout = command.check(experiments.CONFIGS / "seed004_deepspeed.toml", 2, {"clipping.max_norm": 0.5})
     assert cfg.deepspeed["gradient_clipping"] == 1.0                            # the seed's JSON sets it
-    assert train.deepspeed_settings(cfg, layout)["gradient_clipping"] == 1.0
+    assert engine.deepspeed_settings(cfg, layout)["gradient_clipping"] == 1.0
     bare = dataclasses.replace(cfg, deepspeed={k: v for k, v in cfg.deepspeed.items() if k != "gradient_clipping"})
-    assert train.deepspeed_settings(bare, layout)["gradient_clipping"] == 0.5
-    assert 'conf.setdefault("gradient_clipping", cfg.clipping.max_norm)' in inspect.getsource(train.deepspeed_settings)
+    assert engine.deepspeed_settings(bare, layout)["gradient_clipping"] == 0.5
+    assert 'conf.setdefault("gradient_clipping", cfg.clipping.max_norm)' in inspect.getsource(engine.deepspeed_settings)
 
 
 # ------------------------------------------------------------------------------ 7. when a large run goes wrong

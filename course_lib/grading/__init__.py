@@ -10,4 +10,6 @@
   `course_lib.grading.feedback`: ``--feedback``; `course_lib.grading.lms`: ``--lms-csv``.
 
 See docs/GRADING.md for the authoring format and the instructor guide.
+May import: the core (notebook I/O, the marks of `course_lib.reference`), `course_lib.runtime` (process hygiene) and
+itself; grading knows no technique and no lesson (tests/test_layout.py).
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]           # the repository (this is course_lib/instructor/)
 
 
 def lessons(folder: str = "notebooks") -> dict[str, Path]:

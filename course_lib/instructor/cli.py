@@ -21,7 +21,7 @@ from pathlib import Path
 from course_lib.instructor.catalog import lessons
 from course_lib.instructor.lab_settings import lab_flags, write_lab_settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]           # the repository (this is course_lib/instructor/)
 
 
 # ------------------------------------------------------------------------------------------ doctor

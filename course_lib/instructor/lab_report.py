@@ -36,7 +36,7 @@ from course_lib.measure import comparisons
 __all__ = ["LessonRun", "parse_lessons", "count_code_cells", "execute_notebook", "run_report", "write_report",
            "compare_reports", "main"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]           # the repository (this is course_lib/instructor/)
 VERSION = 1
 
 

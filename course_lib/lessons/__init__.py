@@ -11,4 +11,6 @@
 
 A technique itself (DDP, a pipeline schedule, tensor parallelism, ZeRO, ...) lives in `course_lib.parallel`, one
 file each; formulas live in `course_lib.theory`. A new lesson adds one folder here, named after its notebook.
+May import: everything below it (the core, runtime, measure, theory, parallel, training, grading) and itself, never
+`course_lib.instructor`; a lesson's folder imports no other lesson's folder (tests/test_layout.py).
 """

@@ -21,6 +21,7 @@
     clipping.py            global gradient-norm clipping across replicas and shards          lesson 09
     dist_checkpoint.py     distributed checkpoints (DCP, DeepSpeed): bit-exact resume        lesson 09
 
-Nothing here imports `course_lib.lessons` or `course_lib.grading`: the lessons' experiments, graded checks and
-reports live in `course_lib.lessons`, one folder per lesson.
+May import: the core (``course_lib``'s root modules), `course_lib.measure` (counters, timers, hardware facts),
+`course_lib.theory` and itself; never the launcher, the training script, grading or the lessons (tests/test_layout.py):
+the lessons' experiments, graded checks and reports live in `course_lib.lessons`, one folder per lesson.
 """

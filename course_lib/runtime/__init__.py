@@ -5,7 +5,7 @@
     res.returns                               # fn's return value on every rank
 
     launch.py        run, run_nodes, run_script: torchrun from a notebook cell, a structured result, one error
-    torchrun.py      the torchrun command line, the ranks' environment and logs, how a job ended
+    torchrun.py      the torchrun command line, the ranks' environment, the run folder and its logs, how a job ended
     payload.py       a function and its arguments pickled by value for the ranks (notebook cells included)
     pool.py          warm ranks kept between runs; _pool_worker.py is what they run
     _worker.py       the program torchrun starts in every rank for `run`; _script.py the one for `run_script`

@@ -14,31 +14,31 @@ results of ranks that finished are kept (``exc.partial``).
 The ranks of a finished run stay warm for the next run with the same ranks, backend, threads and environment
 (`course_lib.runtime.pool`): a re-run costs milliseconds instead of the seconds of a start-up, starts from a fresh
 process's state, and fails exactly as a fresh run fails. ``fresh=True`` asks for new processes.
+
+Here: the public API (`run`, `run_nodes`, `run_script`, `RunResult` and the errors), the checks of its arguments,
+and the run itself, fresh (`_launch`) or warm (`_launch_pooled`), ending in one result or one error (`_outcome`).
+The torchrun command line, the run folder and reading what torchrun and the ranks left in it are
+`course_lib.runtime.torchrun`'s; pickling the function for the ranks is `course_lib.runtime.payload`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import pickle
-import re
 import shlex
-import signal
 import socket
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from course_lib.runtime import pool as pool_mod
 from course_lib import reference
-from course_lib.runtime import procs
+from course_lib.runtime import pool as pool_mod
+from course_lib.runtime import procs, torchrun
+from course_lib.runtime.payload import pickle_payload
+from course_lib.runtime.torchrun import torchrun_command
 
 MAX_PROCS = 64
-STREAM_LIMIT_BYTES = 200_000  # rank 0 output shown in the notebook; the log keeps everything
 
 
 class LaunchError(RuntimeError):
@@ -198,306 +198,39 @@ def _validate_port(port: int | None) -> None:
                               f"pick a free one, or choose another port") from None
 
 
-def _importable_by_workers(module) -> bool:
-    """Workers import installed packages and course_lib; anything else (a test file, a learner's module
-    beside a notebook, ``__main__``) is sent by value."""
-    path = getattr(module, "__file__", None)
-    if module.__name__ == "__main__" or not path:
-        return module.__name__ != "__main__"
-    path = os.path.realpath(path)
-    roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}
-    roots.add(str(Path(__file__).resolve().parent))  # course_lib itself
-    return any(path.startswith(root + os.sep) for root in roots)
+# --------------------------------------------------------------------------------------- the run
 
-
-def _code_with_its_file(rebuild: Callable, args: tuple, filename: str):
-    """Rebuilds a code object shipped by `_dumps` under the file it came from."""
-    return rebuild(*args).replace(co_filename=filename)
-
-
-def _dumps(obj: Any) -> bytes:
-    """cloudpickle.dumps, keeping each function's file name.
-
-    cloudpickle 3.1.3 ships every code object as '<dynamic-code>' (for byte-identical payloads), which would
-    turn a rank's traceback and the NCCL rules' "made at FILE:LINE" into '<dynamic-code>:92'. Here each code
-    object carries its file name and gets it back on the rank; line numbers were always kept."""
-    import io
-    import types
-    from collections import ChainMap
-
-    import cloudpickle
-    from cloudpickle import cloudpickle as impl
-
-    def reduce_code(code: types.CodeType):
-        rebuild, args = impl._code_reduce(code)
-        return _code_with_its_file, (rebuild, args, code.co_filename)
-
-    class Pickler(cloudpickle.Pickler):
-        dispatch_table = ChainMap({types.CodeType: reduce_code}, cloudpickle.Pickler.dispatch_table)
-
-    buffer = io.BytesIO()
-    Pickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
-    return buffer.getvalue()
-
-
-def _pickle_payload(fn: Callable, args: Sequence, kwargs: dict) -> bytes:
-    import cloudpickle
-
-    if not callable(fn):
-        raise LaunchError(f"fn={fn!r} is not callable: pass the function each rank should run")
-    module = sys.modules.get(getattr(fn, "__module__", None) or "")
-    if module is not None and not _importable_by_workers(module):
-        cloudpickle.register_pickle_by_value(module)  # e.g. a test file or a learner's own .py next to a notebook
+def _job_dir(fn: Callable, args: Sequence, kwargs: dict | None, backend: str, threads: int, timeout_s: float) -> Path:
+    """A new run folder holding the job, pickled by value (`course_lib.runtime.payload`), and its settings."""
     try:
-        return _dumps((fn, tuple(args), dict(kwargs)))
+        payload = pickle_payload(fn, args, kwargs or {})
     except Exception as exc:  # noqa: BLE001 - pickling fails in many ways
         raise LaunchError(
             f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: {type(exc).__name__}: "
             f"{exc}. Everything a rank needs must be picklable: create locks, files, sockets and "
             f"process groups inside the function, not outside it") from None
-
-
-# --------------------------------------------------------------------------------------- the run
-
-def _runs_base() -> Path:
-    base = Path(os.environ.get("COURSE_RUNS_DIR", Path(tempfile.gettempdir()) / "course_runs"))
-    base.mkdir(parents=True, exist_ok=True)
-    return base
-
-
-def _new_run_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=_runs_base()))
-
-
-def _job_dir(fn: Callable, args: Sequence, kwargs: dict | None, backend: str, threads: int, timeout_s: float) -> Path:
-    """A new run folder holding the pickled job and the settings every rank reads (`course_lib.runtime._worker`)."""
-    payload = _pickle_payload(fn, args, kwargs or {})
-    run_dir = _new_run_dir()
-    (run_dir / "payload.pkl").write_bytes(payload)
-    reference.write_job(run_dir)                         # while graded: the guard goes to the ranks too
-    (run_dir / "settings.json").write_text(json.dumps({
-        "backend": backend, "threads_per_rank": threads, "pg_timeout_s": max(30, int(timeout_s) + 30)}))
-    return run_dir
-
-
-def _child_env(extra: dict | None, threads: int, tag: str) -> dict:
-    env = dict(os.environ)
-    env.update({
-        "OMP_NUM_THREADS": str(threads),
-        "MKL_NUM_THREADS": str(threads),
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONFAULTHANDLER": "1",
-        "TORCHELASTIC_ERROR_FILE": "",  # our worker writes its own error file
-        procs.TAG_VAR: procs.nested_tag(tag),
-    })
-    # Make sure course_lib is importable by the workers even when it is not installed.
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    env.update({k: str(v) for k, v in (extra or {}).items()})
-    return env
-
-
-def torchrun_command(target: Sequence[str], nprocs: int, *, nnodes: int = 1, rdzv_endpoint: str | None = None,
-                     port: int | None = None, rdzv_id: str = "course", max_restarts: int = 0) -> list[str]:
-    """The torchrun command line for ``target`` (``['-m', 'module', ...]`` or ``['script.py', ...]``).
-
-    ``max_restarts``: how often torchrun's elastic agent restarts every rank after one fails (lesson 09).
-
-    One node: a standalone rendezvous on a free port (``localhost:0``) or on ``port``.
-    Several nodes: the same command on every node with ``--nnodes`` and a shared rendezvous endpoint.
-    """
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}"]
-    if nnodes > 1:
-        endpoint = rdzv_endpoint or "HEAD_NODE_ADDRESS:29500"
-        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
-    elif port is not None:
-        cmd += ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
-    else:
-        cmd += ["--standalone"]
-    return cmd + [f"--max-restarts={max_restarts}", "--monitor-interval=0.1", *target]
-
-
-class _Streamer:
-    """Copies new bytes of rank 0's log to our stdout (the notebook), up to a limit."""
-
-    def __init__(self, path: Path, enabled: bool):
-        self.path, self.enabled, self.pos, self.shown = path, enabled, 0, 0
-
-    def pump(self) -> None:
-        if not self.enabled or not self.path.exists():
-            return
-        with open(self.path, "rb") as f:
-            f.seek(self.pos)
-            chunk = f.read(1 << 20)
-        self.pos += len(chunk)
-        if not chunk or self.shown > STREAM_LIMIT_BYTES:
-            return
-        room = STREAM_LIMIT_BYTES - self.shown
-        text = chunk[:room].decode("utf-8", errors="replace")
-        self.shown += len(chunk)
-        if self.shown > STREAM_LIMIT_BYTES:
-            text += f"\n[rank 0 output truncated here; the full log is {self.path}]\n"
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    return torchrun.job_dir(payload, backend, threads, timeout_s)
 
 
 def _collect(run_dir: Path, nprocs: int, backend: str, wall_s: float, launch_time: float,
              threads: int) -> RunResult:
-    returns, devices, timings, posts = [], [], [], []
-    for r in range(nprocs):
-        path = run_dir / f"result{r}.pkl"
-        record = None
-        if path.exists():
-            try:
-                with open(path, "rb") as f:
-                    record = pickle.load(f)
-            except Exception:  # noqa: BLE001 - a torn file counts as no result
-                record = None
-        returns.append(record["value"] if record else None)
-        devices.append(record["device"] if record else None)
-        timings.append(record["timings"] if record else None)
-        posts.append(record.get("p2p") if record else None)
+    """The `RunResult` of what the ranks left in ``run_dir`` (None for a rank that wrote no result)."""
+    records = torchrun.rank_records(run_dir, nprocs)
+    returns = [rec["value"] if rec else None for rec in records]
+    devices = [rec["device"] if rec else None for rec in records]
+    timings = [rec["timings"] if rec else None for rec in records]
+    posts = [rec.get("p2p") if rec else None for rec in records]
     logs = [run_dir / f"rank{r}.log" for r in range(nprocs)]
     reference.collect_from(run_dir)                      # the course's answers a learner's code called in a rank
     return RunResult(returns, logs, wall_s, backend, devices, nprocs, run_dir, timings, launch_time, threads,
                      posts if any(p is not None for p in posts) else None)
 
 
-def _tail(path: Path, lines: int = 15) -> str:
-    if not path.exists():
-        return "(no log)"
-    text = path.read_text(errors="replace").rstrip().splitlines()
-    return "\n".join(text[-lines:]) or "(empty log)"
-
-
-def _torchrun_report(launcher_logs: Sequence[Path]) -> dict[int, int]:
-    """rank -> exit code of every rank that ended on its own, as torchrun's elastic agent reports it.
-
-    The agent prints a "Failures" / "Root Cause" report with ``rank : R (local_rank: L)`` and ``exitcode : C (pid:
-    P)`` per failed worker (a negative code is a signal). Its "Root Cause" is not the rank that died: all failures
-    seen in one poll share a timestamp, so a survivor that already failed in a collective can win the tie. Newer
-    releases also list the workers the agent stopped itself (SIGTERM, SIGKILL after a grace period, logged as
-    "Sending process P closing signal ..."): those are left out, as the rank that died is never among them."""
-    found: dict[int, int] = {}
-    for log in launcher_logs:
-        text = log.read_text(errors="replace") if log.exists() else ""
-        stopped = {int(p) for p in re.findall(r"(?:Sending|Unable to shutdown) process (\d+)", text)}
-        entries = re.finditer(r"^\s*rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?",
-                              text, re.MULTILINE)
-        for m in entries:
-            rank, code, pid = int(m.group(1)), int(m.group(2)), m.group(3)
-            if code == 0 or (int(pid) in stopped if pid and stopped else code == -signal.SIGTERM):
-                continue
-            found[rank] = code
-    return found
-
-
-#: What a signal that ends a rank most often means.
-_SIGNAL_CAUSES = {
-    "SIGKILL": "often the out-of-memory killer; see dmesg",
-    "SIGSEGV": "a crash in C/C++ code or a CUDA error",
-    "SIGABRT": "an abort in C/C++ code (a failed check, an uncaught C++ exception)",
-    "SIGBUS": "a bad memory access in C/C++ code (or /dev/shm is full)",
-    "SIGTERM": "stopped from outside (a scheduler's time limit, kill)",
-}
-
-
-def _how_it_ended(exitcode: int | None) -> str:
-    """'was killed by SIGKILL: often the out-of-memory killer; see dmesg', 'exited with code 3 without ...'."""
-    if exitcode is None:
-        return "ended without a result and without a Python traceback"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"signal {-exitcode}"
-        return f"was killed by {name}: {_SIGNAL_CAUSES.get(name, 'a signal from the system or another process')}"
-    return f"exited with code {exitcode} without a Python traceback (os._exit or a C/C++ abort)"
-
-
 def _failure(result: RunResult, launcher_log: Path, returncode: int | None) -> DistributedRunError:
-    """Build one error that names the rank that failed first and shows its own traceback (or its log).
-
-    A rank that dies without a Python traceback (os._exit, SIGKILL from the out-of-memory killer, SIGSEGV from
-    C/C++ or CUDA code) writes nothing, while the ranks blocked in a collective with it then raise ("Connection
-    reset by peer") and write their errors, or are stopped by torchrun: the rank to blame is the one that ended,
-    by torchrun's report, with neither a result nor an error. Only when there is none is it the earliest error."""
-    n = result.nprocs
-    errors = {}
-    for r in range(n):
-        path = result.run_dir / f"error{r}.json"
-        if path.exists():
-            try:
-                errors[r] = json.loads(path.read_text())
-            except ValueError:
-                pass
-    ended = _torchrun_report(sorted(launcher_log.parent.glob("launcher*.log")))
-    unfinished = [r for r in range(n) if result.timings[r] is None and r not in errors]   # no result, no error
-    silent = [r for r in unfinished if r in ended]     # ended on their own: they died
-    if silent or not errors:
-        # No Python error to blame: a rank died or the launcher itself failed.
-        rank = (silent or unfinished or [None])[0]
-        if rank is None:
-            msg = (f"the launcher (torchrun) of {n} ranks failed (launcher exit code {returncode})\n"
-                   f"--- last lines of the launcher (torchrun) ---\n{_tail(launcher_log, 20)}\n")
-            return DistributedRunError(msg + f"logs: {result.run_dir}", rank=None, traceback="", partial=result)
-        msg = (f"rank {rank} of {n} {_how_it_ended(ended.get(rank))}\n"
-               f"--- last lines of rank {rank}'s log ---\n{_tail(result.logs[rank], 25)}\n")   # (and faulthandler's)
-        after = [f"ranks {sorted(errors)} then failed in collectives" if errors else "",
-                 f"ranks {[r for r in silent if r != rank]} also died" if len(silent) > 1 else "",
-                 f"ranks {[r for r in unfinished if r not in silent]} were stopped by torchrun"
-                 if len(unfinished) > len(silent) else ""]
-        if any(after):
-            msg += f"\n{' and '.join(a for a in after if a)} because rank {rank} left"
-            if errors:
-                first = errors[min(errors, key=lambda r: errors[r]["time"])]
-                text = (first["message"].splitlines() or [""])[0]
-                msg += f" (rank {first['rank']}: {first['type']}: {text[:150] + '...' if len(text) > 150 else text})"
-        msg += f"\nlogs: {result.run_dir}"
-        return DistributedRunError(msg, rank=rank, traceback="", partial=result)
-    first = min(errors.values(), key=lambda e: e["time"])
-    others = sorted(r for r in errors if r != first["rank"])
-    msg = (f"rank {first['rank']} of {n} failed with {first['type']}: {first['message']}\n\n"
-           f"--- traceback of rank {first['rank']} ---\n{first['traceback'].rstrip()}\n")
-    if others:
-        msg += f"\n(ranks {others} failed after it, most likely because rank {first['rank']} left)"
-    msg += f"\nlogs: {result.run_dir}"
-    return DistributedRunError(msg, rank=first["rank"], traceback=first["traceback"], partial=result)
-
-
-def _node_commands(target: Sequence[str], nprocs: int, nnodes: int, port: int | None, env: dict,
-                   run_dir: Path, max_restarts: int = 0) -> list[tuple[list[str], dict]]:
-    """(command, environment) of each torchrun launcher: one, or ``nnodes`` "nodes" on this machine that meet in a
-    c10d rendezvous on the loopback address, as real nodes do on the head node's (with GPUs, each node gets its
-    own ``nprocs / nnodes`` of them through CUDA_VISIBLE_DEVICES)."""
-    if nnodes == 1:
-        return [(torchrun_command(target, nprocs, port=port, max_restarts=max_restarts), env)]
-    per_node = nprocs // nnodes
-    endpoint = f"127.0.0.1:{port or procs.free_port()}"
-    gpus = [str(g) for g in range(_gpu_count())]
-    out = []
-    for node in range(nnodes):
-        cmd = torchrun_command(target, per_node, nnodes=nnodes, rdzv_endpoint=endpoint, rdzv_id=run_dir.name)
-        node_env = dict(env)
-        if len(gpus) >= nprocs:
-            node_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[node * per_node:(node + 1) * per_node])
-        out.append((cmd, node_env))
-    return out
-
-
-def _gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _let_the_others_report(launchers: list, grace_s: float = 2.0) -> None:
-    """After one node's launcher failed, give the other nodes' launchers a moment to end on their own: each prints
-    torchrun's report of its own ranks, and the rank that died (`_failure`) may be on a node other than the one
-    whose launcher ended first. A launcher whose ranks still wait is killed after ``grace_s``."""
-    deadline = time.perf_counter() + grace_s
-    while len(launchers) > 1 and any(p.poll() is None for p in launchers) and time.perf_counter() < deadline:
-        time.sleep(0.05)
+    """One error that names the rank that failed first and shows its own traceback, or its log (`torchrun.blame`)."""
+    finished = [r for r in range(result.nprocs) if result.timings[r] is not None]
+    found = torchrun.blame(result.run_dir, result.nprocs, finished, launcher_log, returncode)
+    return DistributedRunError(found.message, rank=found.rank, traceback=found.traceback, partial=result)
 
 
 def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, env: dict | None,
@@ -507,10 +240,11 @@ def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, 
     launcher_log = run_dir / "launcher.log"
     launch_time = time.time()
     t0 = time.perf_counter()
-    streamer = _Streamer(run_dir / "rank0.log", stream)
+    streamer = torchrun.Streamer(run_dir / "rank0.log", stream)
+    child_env = torchrun.child_env(env, threads, tag)
     launchers = []
-    for node, (cmd, node_env) in enumerate(_node_commands(target, nprocs, nnodes, port,
-                                                          _child_env(env, threads, tag), run_dir, max_restarts)):
+    for node, (cmd, node_env) in enumerate(torchrun.node_commands(target, nprocs, nnodes, port, child_env, run_dir,
+                                                                  max_restarts)):
         log = launcher_log if node == 0 else run_dir / f"launcher{node}.log"
         with open(log, "wb") as out:
             launchers.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -522,7 +256,7 @@ def _launch(target: Sequence[str], nprocs: int, backend: str, timeout_s: float, 
         while True:
             codes = [p.poll() for p in launchers]
             if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
-                _let_the_others_report(launchers)
+                torchrun.let_the_others_report(launchers)
                 break                          # all launchers done, or one failed (its ranks are gone)
             time.sleep(0.05)
             streamer.pump()
@@ -563,7 +297,8 @@ def _outcome(state: str, result: RunResult, launcher_log: Path, returncode: int 
                              f"finished: {done}. Logs: {run_dir}", result)
     if state == "timeout":
         lagging = [r for r in range(nprocs) if r not in done]
-        hint = "\n".join(f"--- last lines of rank {r}'s log ---\n{_tail(result.logs[r], 8)}" for r in lagging[:2])
+        hint = "\n".join(f"--- last lines of rank {r}'s log ---\n{torchrun.tail(result.logs[r], 8)}"
+                         for r in lagging[:2])
         raise RunTimeout(
             f"the run did not finish within timeout_s={timeout_s:g} s and was stopped (all processes killed). "
             f"Ranks {lagging} had not finished (a rank waiting in a collective that another rank never calls "
@@ -596,7 +331,7 @@ def _launch_pooled(warm: "pool_mod.Pool", nprocs: int, backend: str, timeout_s: 
     and the next run starts a new one."""
     launch_time = time.time()
     t0 = time.perf_counter()
-    streamer = _Streamer(run_dir / "rank0.log", stream)
+    streamer = torchrun.Streamer(run_dir / "rank0.log", stream)
     state = "running"
     try:
         if not warm.started:
@@ -643,12 +378,12 @@ def _launch_pooled(warm: "pool_mod.Pool", nprocs: int, backend: str, timeout_s: 
 
 def _pool_for(nprocs: int, backend: str, threads: int, env: dict | None) -> "pool_mod.Pool | None":
     """The warm pool these settings share (None when it is busy with a concurrent run)."""
-    child_env = _child_env(env, threads, tag="")
+    child_env = torchrun.child_env(env, threads, tag="")
     key_env = {k: v for k, v in child_env.items() if k not in (procs.TAG_VAR, "PYTEST_CURRENT_TEST")}
     key = (nprocs, backend, threads, tuple(sorted(key_env.items())))
     settings = {"backend": backend, "threads_per_rank": threads}
     make = lambda: pool_mod.Pool(key, nprocs, lambda folder: torchrun_command(  # noqa: E731
-        ["-m", "course_lib.runtime._pool_worker", str(folder)], nprocs), child_env, settings, _runs_base())
+        ["-m", "course_lib.runtime._pool_worker", str(folder)], nprocs), child_env, settings, torchrun.runs_base())
     return pool_mod.acquire(key, make)
 
 
@@ -748,7 +483,7 @@ def run_script(path: str | os.PathLike, nprocs: int, args: Sequence[str] = (), *
         print(f"{max(nnodes, 2)} nodes (run on every node):",
               shlex.join(torchrun_command([str(script), *args], nprocs, nnodes=max(nnodes, 2))))
     threads = max(1, procs.usable_cores() // nprocs)
-    run_dir = _new_run_dir()
+    run_dir = torchrun.new_run_dir()
     wrapper = ["-m", "course_lib.runtime._script", str(run_dir), str(script.resolve()), *map(str, args)]
     return _launch(wrapper, nprocs, "script", timeout_s, env, stream, run_dir, port, threads,
                    max_restarts=max_restarts, on_poll=on_poll)

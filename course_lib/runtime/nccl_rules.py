@@ -54,7 +54,7 @@ FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda}
 _LIBRARIES = tuple(str(Path(p).resolve()) for p in {sys.prefix, sys.base_prefix, os.path.dirname(os.__file__)})
 _HERE = str(Path(__file__).resolve())
-_COURSE = str(Path(__file__).resolve().parent) + os.sep     # the course's own code is judged wherever it is installed
+_COURSE = str(Path(__file__).resolve().parents[1]) + os.sep  # course_lib: its own code is judged wherever it is installed
 
 
 class NcclRuleError(RuntimeError):

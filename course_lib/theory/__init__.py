@@ -17,6 +17,8 @@
 
 Every formula is checked against a measurement in the tests. ``from course_lib import theory`` gives them all:
 ``theory.memory.zero_model_state_bytes(...)``.
+May import: the core, `course_lib.measure` (hardware facts) and itself (tests/test_layout.py): a formula needs no
+technique, no launcher and no lesson.
 """
 
 from course_lib.theory import comm, context, experts, flops, memory, pipeline, practice, savers, tensor

@@ -1,4 +1,5 @@
-"""``python -m course_lib.training`` (or ``torchrun ... -m course_lib.training``): the training script's command line."""
+"""``python -m course_lib.training`` (or ``torchrun ... -m course_lib.training``): the training script's command
+line (`course_lib.training.command`)."""
 
 import sys
 

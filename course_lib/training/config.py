@@ -5,8 +5,8 @@
 
 One section per concern, each a frozen dataclass that validates its fields; `validate_world` checks what needs the
 world size (dp x tp x pp = ranks, the batch divisible into micro-batches). Every error is a `ConfigError` naming the
-file, the field as ``section.key`` and the fix, raised before any process starts (`course_lib.training.train.launch` and
-``python -m course_lib.training --config X --check`` both validate first).
+file, the field as ``section.key`` and the fix, raised before any process starts (`course_lib.training.command.launch`
+and ``python -m course_lib.training --config X --check`` both validate first).
 
 Sections and what they hold (defaults in the dataclasses below):
 

@@ -10,9 +10,10 @@ Section 7 (when a large run goes wrong): the script's loss spike, rewound and sk
 and a loss that counts tokens right on DP 2 x accumulation 2 against one process (`token_loss_runs`); the rest of
 that section's experiments are in `large_runs` (instability, async saves, resharding).
 
-The training script itself is `course_lib.training.train`; its pieces are `parallel.schedules`, `parallel.clipping`,
-`parallel.dist_checkpoint`, `course_lib.training.monitor`, `course_lib.training.alerts`, `course_lib.training.spikes`, `course_lib.training.watchdog`
-and `course_lib.training.token_loss`.
+The training script itself is `course_lib.training` (its command line `command`, its loop `train`, its step
+`engine`); its pieces are `parallel.schedules`, `parallel.clipping`, `parallel.dist_checkpoint`,
+`course_lib.training.monitor`, `course_lib.training.alerts`, `course_lib.training.spikes`,
+`course_lib.training.watchdog` and `course_lib.training.token_loss`.
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def rank_clip_dp_tp(cfg: ModelConfig, x: torch.Tensor, y: torch.Tensor, max_norm
 
 def watch_training(config: str | Path, nprocs: int, overrides: dict, *, plot=None, max_restarts: int = 0,
                    poll_s: float = 0.25, timeout_s: float = 600.0):
-    """Run the training script (`train.launch`) and, while it runs, follow rank 0's ``metrics.jsonl`` as it grows
+    """Run the training script (`command.launch`) and, while it runs, follow rank 0's ``metrics.jsonl`` as it grows
     (every ``poll_s``, from the launcher's wait loop in this thread: Ctrl-C stops the run and its processes): each
     new record goes to ``plot`` (a `monitor.LivePlot`, redrawn in place) and advances a progress bar. The run's
     folder (``job.out_dir``) is emptied first: a run starts from step 0, not from the checkpoints of an earlier run
@@ -202,9 +203,9 @@ def watch_training(config: str | Path, nprocs: int, overrides: dict, *, plot=Non
 
     from tqdm import tqdm                        # text, not a widget: a notebook's widgets are for controls
 
-    from course_lib.training import monitor, train
+    from course_lib.training import command, monitor
 
-    cfg, _ = train.check(config, nprocs, overrides)
+    cfg, _ = command.check(config, nprocs, overrides)
     if cfg.out_dir.exists():                          # a run of the same name before: its checkpoints would be resumed
         shutil.rmtree(cfg.out_dir)
     jsonl = cfg.out_dir / "tb" / monitor.JSONL_NAME
@@ -227,8 +228,8 @@ def watch_training(config: str | Path, nprocs: int, overrides: dict, *, plot=Non
             bar.refresh()
 
     try:
-        result, record = train.launch(config, nprocs, overrides, max_restarts=max_restarts, stream=False,
-                                      timeout_s=timeout_s, on_poll=follow)
+        result, record = command.launch(config, nprocs, overrides, max_restarts=max_restarts, stream=False,
+                                        timeout_s=timeout_s, on_poll=follow)
         follow(force=True)                           # the last records, written just before the ranks ended
     finally:
         bar.close()
