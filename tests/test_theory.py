@@ -180,9 +180,23 @@ def test_flop_counter_agrees_with_course_and_megatron_and_not_with_the_others():
     idx, tgt = _batch(cfg, 2)
     counted = count_flops(lambda: model.loss(idx, tgt).backward()) / idx.numel()
     assert counted == flops.flops_per_token(cfg) == pytest.approx(flops.megatron_flops_per_token(cfg), rel=1e-12)
-    for wrong in ("Kaplan (causal half)", "PaLM (6N_all + 12LHQT)", "torchtitan", "torchtitan before #3225",
-                  "HFU, full recompute"):
+    for wrong in ("Kaplan (causal half)", "Megatron-LM code (causal half)", "PaLM (6N_all + 12LHQT)", "torchtitan",
+                  "torchtitan before #3225", "HFU, full recompute"):
         assert flops.FLOP_CONVENTIONS[wrong](cfg) != pytest.approx(counted, rel=0.01), wrong
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gpt2-124m", "llama-7b", "llama3-405b"])
+def test_megatron_code_counts_the_causal_half_and_its_paper_the_full_matrix(preset):
+    """Megatron-LM's code today (training.py, num_floating_point_operations: "causal mask (only half of the mask is
+    non-zero)") counts 6 L T d of attention per token, the course's causal convention, on GPT, SwiGLU and GQA blocks;
+    the 2021 paper's formula counts the full 12 L T d (on a GPT block, where it applies, equal to the course's)."""
+    cfg = get_preset(preset)
+    half = flops.attention_flops_per_token(cfg, causal=True)
+    assert half == 6 * cfg.n_layer * cfg.seq_len * cfg.n_head * cfg.head_dim
+    assert flops.megatron_code_flops_per_token(cfg) == pytest.approx(flops.flops_per_token(cfg, causal=True), rel=1e-12)
+    assert flops.flops_per_token(cfg) - flops.megatron_code_flops_per_token(cfg) == pytest.approx(half, rel=1e-12)
+    if cfg.mlp == "gelu" and cfg.n_kv_head == cfg.n_head and cfg.d_ff == 4 * cfg.d_model:
+        assert flops.megatron_flops_per_token(cfg) == pytest.approx(flops.flops_per_token(cfg), rel=1e-12)
 
 
 def test_mfu_divides_by_the_dense_peak():

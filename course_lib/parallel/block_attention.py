@@ -2,8 +2,8 @@
 
 Attention ``softmax(q k^T / sqrt(D) + mask) v`` never needs the whole (T, T) score matrix at once. Milakov &
 Gimelshein 2018 ("Online normalizer calculation for softmax") and FlashAttention (Dao et al. 2022, "FlashAttention:
-Fast and Memory-Efficient Exact Attention with IO-Awareness", algorithms 1 and 2) compute it block by block: for a
-block of queries and one block of keys/values,
+Fast and Memory-Efficient Exact Attention with IO-Awareness", its forward: algorithms 1 and 2) compute it block by
+block: for a block of queries and one block of keys/values,
 
     S = q k^T / sqrt(D)   (masked),   lse = log sum_j exp(S_ij),   out = exp(S - lse) v
 
@@ -12,7 +12,10 @@ is a *partial result* (out, lse) over that key block. Two partial results over d
     lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b      (`merge_partials`)
 
 so the output is built from key/value blocks one at a time and only (out, lse) is kept: memory O(T), not O(T^2).
-The backward (FlashAttention's algorithm 2) recomputes the scores block by block from the saved lse:
+The backward recomputes the scores block by block from the saved lse alone. FlashAttention's own backward
+(Dao et al. 2022, algorithm 4; its algorithm 2 is the forward pass) keeps each row's max and sum of exponentials;
+saving the one log-sum-exp per row instead is FlashAttention-2's change (Dao 2023, "FlashAttention-2: Faster
+Attention with Better Parallelism and Work Partitioning", section 3.1.2 and its algorithm 2), which this follows:
 
     P = exp(S - lse),  dV += P^T dO,  dP = dO V^T,  D = rowsum(dO * O),  dS = P * (dP - D),
     dQ += dS K / sqrt(D_head),  dK += dS^T Q / sqrt(D_head)                                    (`block_grads`)
@@ -119,7 +122,8 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
 def block_grads(q, k, v, dout, lse, delta, q_start: int = 0, k_start: int = 0, masked: bool = False,
                 scale: float | None = None):
-    """FlashAttention's backward for one (query block, key block) pair: (dq, dk, dv) contributions.
+    """The backward for one (query block, key block) pair from the saved log-sum-exp (FlashAttention-2's form, Dao
+    2023, section 3.1.2): (dq, dk, dv) contributions.
 
     lse (B, H, nq) is the *final* log-sum-exp of the query rows (over all keys), delta = rowsum(dO * O) (B, H, nq).
     Computed and returned in fp32 whatever the inputs' dtype (the caller accumulates them)."""
@@ -139,7 +143,7 @@ class BlockwiseAttention(torch.autograd.Function):
     """Attention of q (rows laid out as `q_chunks`) over k, v (rows laid out as `k_chunks`), block by block.
 
     Forward keeps only q, k, v, the output and the log-sum-exp per query row (B, H, nq), never a score matrix;
-    backward recomputes each block's scores (FlashAttention, Dao et al. 2022, algorithm 2). Lesson 10."""
+    backward recomputes each block's scores from it (FlashAttention-2, Dao 2023, section 3.1.2). Lesson 10."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_chunks, k_chunks, causal, block_size, counter):

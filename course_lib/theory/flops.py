@@ -24,7 +24,8 @@ of the attention matrix skipped. ``causal=True`` gives that convention.
 
 The conventions of others, one function each (lesson 01, section 1.5; ``FLOP_CONVENTIONS`` names them all):
 :func:`palm_flops_per_token` (6N + 12 L H Q T, N every parameter), :func:`megatron_flops_per_token` (Narayanan et
-al. 2021, with or without the recomputation term), :func:`torchtitan_flops_per_token`; :func:`hardware_flops_per_token`
+al. 2021, with or without the recomputation term), :func:`megatron_code_flops_per_token` (Megatron-LM's code today:
+the causal half), :func:`torchtitan_flops_per_token`; :func:`hardware_flops_per_token`
 counts what recomputation adds (HFU's numerator); `course_lib.measure.speed.mfu` divides by the *dense* peak.
 """
 
@@ -88,9 +89,9 @@ def training_days(total_flops: float, n_gpus: int, peak_flops_per_gpu: float, mf
 # ---------------------------------------------------------------------------------------------
 # The same quantity by the conventions the field uses (lesson 01, section 1.5; issue 30, section 4)
 # ---------------------------------------------------------------------------------------------
-# Four published formulas for "training FLOPs per token". They agree on 6 FLOPs per weight per token and on a full
-# (not causally halved) attention matrix; they differ in which weights N counts and in whether recomputation is
-# counted. Each function applies its source's formula, as its source writes it, to a course ModelConfig.
+# Published formulas for "training FLOPs per token". They agree on 6 FLOPs per weight per token; they differ in which
+# weights N counts, in whether recomputation is counted, and in the attention matrix: full (PaLM, the 2021 Megatron-LM
+# paper, torchtitan) or its causal half (Kaplan et al. 2020, Megatron-LM's code today). Each function applies its source's formula, as its source writes it, to a course ModelConfig.
 
 
 def palm_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
@@ -139,6 +140,36 @@ def megatron_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, recom
     if recompute:
         return 96 * l * h ** 2 * (1 + s / (6 * h) + V / (16 * l * h))
     return 72 * l * h ** 2 * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def megatron_code_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
+    """Megatron-LM's FLOPs per token as its code counts them today, not as the 2021 paper wrote them
+    (NVIDIA/Megatron-LM, ``megatron/training/training.py``, ``num_floating_point_operations``, the MHA / GQA branch of
+    ``transformer_flops``; read 2026-11):
+
+        forward_backward_expansion_factor = 3, fma_expansion_factor = 2
+        ffn_expansion_factor = 3 if args.swiglu else 2
+        standard_self_attn_term = forward_backward_expansion_factor * fma_expansion_factor * (
+            ## qkv proj
+            args.hidden_size * (query_projection_size + key_projection_size + value_projection_size + ...)
+            ## core attention
+            + query_projection_size * args.seq_length
+            / 2  # causal mask (only half of the mask is non-zero)
+            * 2  # QK^T and (QK^T)V
+            ## out proj
+            + query_projection_size * args.hidden_size)
+
+    plus the MLP ``6 h d_ff x ffn_expansion_factor`` per layer and the logits ``6 h V``, all per token. The
+    matmul weights are the course's N; the attention matrix is the causal half, 6 L T d: the count equals
+    ``flops_per_token(cfg, causal=True)`` (Kaplan's convention), on GPT, SwiGLU and grouped-query blocks alike. The
+    paper's formula (:func:`megatron_flops_per_token`) counts the full matrix, 12 L T d. No recomputation is counted.
+    """
+    s = cfg.seq_len if seq_len is None else seq_len
+    h, q = cfg.d_model, cfg.n_head * cfg.head_dim
+    kv = cfg.n_kv_head * cfg.head_dim
+    attn = 3 * 2 * (h * (q + 2 * kv) + q * s / 2 * 2 + q * h)
+    mlp = 3 * 2 * h * cfg.d_ff * (3 if cfg.mlp == "swiglu" else 2)
+    return cfg.n_layer * (attn + mlp) + 3 * 2 * h * cfg.vocab_size
 
 
 def torchtitan_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, before_tying_fix: bool = False) -> float:
@@ -193,7 +224,8 @@ FLOP_CONVENTIONS = {
     "course (6N + 12LTd)": flops_per_token,
     "Kaplan (causal half)": lambda cfg: flops_per_token(cfg, causal=True),
     "PaLM (6N_all + 12LHQT)": palm_flops_per_token,
-    "Megatron (no recompute)": megatron_flops_per_token,
+    "Megatron paper (no recompute)": megatron_flops_per_token,
+    "Megatron-LM code (causal half)": megatron_code_flops_per_token,
     "torchtitan": torchtitan_flops_per_token,
     "torchtitan before #3225": lambda cfg: torchtitan_flops_per_token(cfg, before_tying_fix=True),
     "HFU, full recompute": lambda cfg: hardware_flops_per_token(cfg, recompute="full"),
