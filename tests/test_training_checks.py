@@ -1,8 +1,8 @@
-"""Lesson 09's graded checks (course_lib/lessons/l09_training/checks.py): the course's own references pass, and each
-typical wrong answer fails with a one-line message naming the check that caught it. The solution notebook's answers
-are graded in tests/test_grading.py; the right answers here come from the course's modules (schedules, clipping,
-alerts, dist_checkpoint, spikes), so a check that disagreed with them would show up here. One 4-rank launch per global-norm
-variant (warm ranks outside grading), everything else in this process.
+"""Lesson 09's graded checks (course_lib/lessons/l09_training/checks.py; 09-resume's are in tests/test_resume_checks.py):
+the course's own references pass, and each typical wrong answer fails with a one-line message naming the check that
+caught it. The solution notebook's answers are graded in tests/test_grading.py; the right answers here come from the
+course's modules (schedules, clipping, alerts, spikes), so a check that disagreed with them would show up here. One
+4-rank launch per global-norm variant (warm ranks outside grading), everything else in this process.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 import collections
 import json
 import math
-import os
-import random
 import sys
 from pathlib import Path
 
@@ -22,23 +20,14 @@ import torch
 import torch.distributed as dist
 
 from course_lib.training.alerts import AlertEngine, Rule
-from course_lib.grading.check import CheckFailed
-from course_lib.lessons.l09_training import checks, resume_checks
+from course_lib.lessons.l09_training import checks
 from course_lib.parallel import clipping, schedules
-from course_lib.parallel import dist_checkpoint as ckpt
 from course_lib.training.spikes import SpikeDetector
+
+from check_assertions import fails_check as _fails
 
 ROOT = Path(__file__).resolve().parents[1]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the clip functions below travel to the ranks by value
-
-
-def _fails(match: str, fn, *args):
-    """``fn(*args)`` raises CheckFailed whose one-line message matches ``match``; returns the message."""
-    with pytest.raises(CheckFailed, match=match) as info:
-        fn(*args)
-    msg = str(info.value)
-    assert "\n" not in msg and "Hint:" in msg, msg
-    return msg
 
 
 # ------------------------------------------------------------------------------ 09-schedule
@@ -236,130 +225,6 @@ def test_an_alert_rule_that_returns_no_bool_fails():
     _fails("returns True or False", checks.check_alert_rule, Silent)
 
 
-# ------------------------------------------------------------------------------ 09-resume
-
-def save_reference(folder, *, model, optimizer, scheduler, step, data_position):
-    ckpt.save(folder, model=model, optimizer=optimizer, scheduler=scheduler, step=step, data_position=data_position)
-
-
-def load_reference(folder, *, model, optimizer, scheduler):
-    state = ckpt.load(folder, model=model, optimizer=optimizer, scheduler=scheduler)
-    return state.step, state.data_position
-
-
-def _save(folder, *, model, optimizer, scheduler, step, data_position, rng=("torch", "python", "numpy", "cuda")):
-    os.makedirs(folder, exist_ok=True)
-    streams = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        streams["cuda"] = torch.cuda.get_rng_state_all()
-    rng = [k for k in rng if k in streams]
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "step": step, "data_position": data_position, "rng": {k: streams[k] for k in rng}},
-               os.path.join(folder, "state.pt"))
-
-
-def _load(folder, *, model, optimizer, scheduler, parts=("optimizer", "scheduler")):
-    state = torch.load(os.path.join(folder, "state.pt"), weights_only=False)
-    model.load_state_dict(state["model"])
-    if "optimizer" in parts:
-        optimizer.load_state_dict(state["optimizer"])
-    if "scheduler" in parts:
-        scheduler.load_state_dict(state["scheduler"])
-    rng = state["rng"]
-    if "torch" in rng:
-        torch.set_rng_state(rng["torch"])
-    if "python" in rng:
-        random.setstate(rng["python"])
-    if "numpy" in rng:
-        np.random.set_state(rng["numpy"])
-    if "cuda" in rng:
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return state["step"], state["data_position"]
-
-
-def save_without_cuda(folder, **kw):                 # right on a CPU machine, wrong where CUDA is present
-    _save(folder, rng=("torch", "python", "numpy"), **kw)
-
-
-def save_torch_rng_only(folder, **kw):
-    _save(folder, rng=("torch",), **kw)
-
-
-def load_no_optimizer(folder, **kw):
-    return _load(folder, parts=("scheduler",), **kw)
-
-
-def load_no_scheduler(folder, **kw):
-    return _load(folder, parts=("optimizer",), **kw)
-
-
-def load_step_as_position(folder, **kw):
-    step, _ = _load(folder, **kw)
-    return step, step
-
-
-def save_draws_a_number(folder, **kw):             # e.g. a random file name: moves torch's stream
-    torch.rand(1)
-    _save(folder, **kw)
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")      # dist_checkpoint on one process
-def test_resume_references_pass():
-    for save, load in ((save_reference, load_reference), (_save, _load)):
-        out = resume_checks.check_resume(save, load)
-        assert out["resumed"] == out["losses"][resume_checks.STOP:] and out["files"]
-
-
-@pytest.mark.parametrize("save, load, where", [
-    (save_torch_rng_only, _load, "Python's random state after load_checkpoint"),
-    (_save, load_no_optimizer, "AdamW's state after load_checkpoint"),
-    (_save, load_no_scheduler, "schedule's position"),
-    (_save, load_step_as_position, r"\(step, data_position\) returned by load_checkpoint"),
-    (save_draws_a_number, _load, "saving leaves torch's random state as it was")])
-def test_wrong_resumes_fail_naming_what_was_lost(save, load, where):
-    _fails(where, resume_checks.check_resume, save, load)
-
-
-def test_a_load_that_draws_random_numbers_after_restoring_fails():
-    def load_reseeding(folder, **kw):
-        out = _load(folder, **kw)
-        torch.manual_seed(0)
-        return out
-    _fails("torch's random state after load_checkpoint", resume_checks.check_resume, _save, load_reseeding)
-
-
-@pytest.fixture
-def cuda_present(monkeypatch):
-    """CUDA present, as the checks and the answers see it, on a CPU machine: one GPU whose generator state is a small
-    tensor, set by torch.manual_seed (through torch.cuda.manual_seed_all) and by set_rng_state_all."""
-    gen = {"states": [torch.zeros(8, dtype=torch.uint8)]}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: None)   # AdamW asks
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [t.clone() for t in gen["states"]])
-    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: gen.update(states=[t.clone() for t in states]))
-    monkeypatch.setattr(torch.cuda, "manual_seed_all",
-                        lambda seed: gen.update(states=[torch.full((8,), int(seed) % 251, dtype=torch.uint8)]))
-    return gen
-
-
-def test_resume_check_leaves_the_cuda_generators_out_on_a_cpu_machine():
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA machine: there the CUDA generators must be saved")
-    out = resume_checks.check_resume(save_without_cuda, _load)        # nothing to save: the same answer passes
-    assert out["resumed"] == out["losses"][resume_checks.STOP:]
-
-
-def test_resume_check_compares_the_cuda_generators_where_cuda_is_present(cuda_present):
-    """Where CUDA is present the table's CUDA row counts: an answer that saves torch's, Python's and NumPy's
-    generators but not the CUDA ones fails, naming them; the solution's way passes. (dist_checkpoint's own save would
-    open a CUDA stream, which this fake CUDA does not have.)"""
-    resume_checks.check_resume(_save, _load)
-    msg = _fails("the CUDA generators' random state after load_checkpoint", resume_checks.check_resume,
-                 save_without_cuda, _load)
-    assert "torch.cuda" in msg
-
-
 # ------------------------------------------------------------------------------ 09-spike-detector
 
 class SpikeAnswer:
@@ -452,6 +317,115 @@ class PopulationStd(SpikeAnswer):
         return math.sqrt(sum((v - mean) ** 2 for v in self.values) / len(self.values))
 
 
+class ListWindow(SpikeAnswer):
+    """Right, written another way: a list trimmed to the last `window` values after each append."""
+
+    def __init__(self, window=20, warmup=10, z=6.0):
+        super().__init__(window, warmup, z)
+        self.values = []
+
+    def update(self, value):
+        spike = self.is_spike(value)
+        if not spike:
+            self.values.append(value)
+            if len(self.values) > self.window:
+                self.values.pop(0)
+        return spike
+
+
+class SlicedHistory:
+    """Right, written another way: every accepted value kept, the statistics of the last `window` (numpy, ddof=1),
+    warm-up counted on its own, z compared as a ratio."""
+
+    def __init__(self, window=20, warmup=10, z=6.0):
+        self.window, self.warmup, self.z, self.accepted = window, warmup, z, []
+
+    def update(self, value):
+        if not np.isfinite(value):
+            return True
+        if len(self.accepted) >= self.warmup:
+            recent = np.array(self.accepted[-self.window:])
+            if (value - recent.mean()) / recent.std(ddof=1) > self.z:
+                return True
+        self.accepted.append(value)
+        return False
+
+
+class NoWindow(SpikeAnswer):
+    """Every accepted value kept: the mean and std of the whole history, not of the last `window`."""
+
+    def __init__(self, window=20, warmup=10, z=6.0):
+        super().__init__(window, warmup, z)
+        self.values = []
+
+
+class WindowOneShort(ListWindow):
+    """Appended, then trimmed while len >= window: the window holds window - 1 values."""
+
+    def update(self, value):
+        spike = self.is_spike(value)
+        if not spike:
+            self.values.append(value)
+            if len(self.values) >= self.window:
+                self.values.pop(0)
+        return spike
+
+
+class Ewma:
+    """An exponentially weighted mean and variance (alpha = 2 / (window + 1)) instead of a window."""
+
+    def __init__(self, window=20, warmup=10, z=6.0):
+        self.alpha, self.warmup, self.z, self.n, self.mean, self.var = 2 / (window + 1), warmup, z, 0, 0.0, 0.0
+
+    def update(self, value):
+        if not math.isfinite(value):
+            return True
+        if self.n >= self.warmup and value - self.mean > self.z * math.sqrt(self.var):
+            return True
+        diff = value - self.mean if self.n else 0.0
+        self.mean = value if self.n == 0 else self.mean + self.alpha * diff
+        self.var = (1 - self.alpha) * (self.var + self.alpha * diff * diff)
+        self.n += 1
+        return False
+
+
+class TwoSided(SpikeAnswer):
+    """|z| above z: a loss that falls fast is called a spike too."""
+
+    def is_spike(self, value):
+        if not math.isfinite(value):
+            return True
+        n = len(self.values)
+        if n < self.warmup:
+            return False
+        mean = sum(self.values) / n
+        return abs(value - mean) > self.z * self.std(mean)
+
+
+class WarmupOneLate(SpikeAnswer):
+    """A verdict only once more than `warmup` values are in (n > warmup)."""
+
+    def is_spike(self, value):
+        if not math.isfinite(value):
+            return True
+        return len(self.values) > self.warmup and super().is_spike(value)
+
+
+class WarmupCountsSteps(SpikeAnswer):
+    """The warm-up counts every value seen, a NaN too, instead of the values accepted."""
+
+    def update(self, value):
+        self.seen = getattr(self, "seen", 0) + 1
+        if not math.isfinite(value):
+            return True
+        if self.seen > self.warmup:
+            mean = sum(self.values) / len(self.values)
+            if value - mean > self.z * self.std(mean):
+                return True
+        self.values.append(value)
+        return False
+
+
 def test_spike_answer_passes_and_the_streams_test_something():
     rows = checks.check_spike_detector(SpikeAnswer)
     assert len(rows) == len(checks.SPIKE_STREAMS)
@@ -464,8 +438,18 @@ def test_spike_answer_passes_and_the_streams_test_something():
     for name, (window, warmup, z), values in checks.SPIKE_STREAMS:
         for x in checks._spike_zscores(window, warmup, z, values):
             assert not 0.75 * z <= x <= 1.25 * z, (name, x)
-    checks.check_spike_detector(PopulationStd)
+    by_stream = {r["stream"]: r["spikes"] for r in rows}
+    window_in, window_gone, dip, edge, nan_edge = (by_stream[name] for name, _, _ in checks.SPIKE_STREAMS[-5:])
+    assert window_in == [] and window_gone == [15]          # the outlier in the window hides the jump, then leaves
+    assert dip == [90] and edge == [10] and nan_edge == [2]
     checks.check_spike_detector(SpikeDetector)                 # the course's own, outside grading
+
+
+@pytest.mark.parametrize("right", [PopulationStd, ListWindow, SlicedHistory])
+def test_spike_detectors_that_follow_the_rules_pass(right):
+    """What the exercise leaves free (n or n - 1, a deque or a list or a slice, a counter or the window's length for
+    the warm-up, z compared as a ratio or a product) passes."""
+    checks.check_spike_detector(right)
 
 
 @pytest.mark.parametrize("wrong, stream, why", [
@@ -474,7 +458,13 @@ def test_spike_answer_passes_and_the_streams_test_something():
     (FixedThreshold, "steady noise", "not in units of the loss"),
     (NanNotSpike, "a NaN during warm-up", "a NaN or inf loss is a spike"),
     (FrozenStatistics, "a ramp", "updated at every step"),
-    (DefaultSettings, "other settings", "standard deviations")])
+    (DefaultSettings, "other settings", "standard deviations"),
+    (NoWindow, r"window 12, .* at step 15", "older ones drop out"),
+    (Ewma, r"window 12, .* at step 15", "older ones drop out"),
+    (WindowOneShort, r"window 12, .* at step 14", "older ones drop out"),
+    (TwoSided, "a dip of -0.3", "upward"),
+    (WarmupOneLate, "a jump of \\+0.3 at step 10, the first step", "the warm-up is over"),
+    (WarmupCountsSteps, "a NaN at step 2", "a value kept out does not count")])
 def test_wrong_spike_detectors_fail_on_the_stream_that_shows_it(wrong, stream, why):
     msg = _fails(f"stream '{stream}", checks.check_spike_detector, wrong)
     assert why in msg.split("Hint:")[1], msg

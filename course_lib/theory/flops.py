@@ -145,7 +145,10 @@ def megatron_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, recom
 def megatron_code_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> float:
     """Megatron-LM's FLOPs per token as its code counts them today, not as the 2021 paper wrote them
     (NVIDIA/Megatron-LM, ``megatron/training/training.py``, ``num_floating_point_operations``, the MHA / GQA branch of
-    ``transformer_flops``; read 2026-11):
+    ``transformer_flops`` as at commit 9a7cd17f, quoted below; since 5e4fc931 (2026-05-21) the core-attention term is a
+    separate ``standard_self_attn_core_term`` multiplied by ``seqlen_squared_sum_in_batch``, the same value for
+    unpacked sequences, with the same ``/ 2  # causal mask (only half of the mask is non-zero)``; checked at da5a81d,
+    2026-08-22):
 
         forward_backward_expansion_factor = 3, fma_expansion_factor = 2
         ffn_expansion_factor = 3 if args.swiglu else 2
@@ -159,7 +162,8 @@ def megatron_code_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) 
             ## out proj
             + query_projection_size * args.hidden_size)
 
-    plus the MLP ``6 h d_ff x ffn_expansion_factor`` per layer and the logits ``6 h V``, all per token. The
+    plus the MLP ``6 h d_ff x ffn_expansion_factor`` per layer and the logits ``6 h V`` (V: Megatron's
+    ``args.padded_vocab_size``; the course's vocabulary here), all per token. The
     matmul weights are the course's N; the attention matrix is the causal half, 6 L T d: the count equals
     ``flops_per_token(cfg, causal=True)`` (Kaplan's convention), on GPT, SwiGLU and grouped-query blocks alike. The
     paper's formula (:func:`megatron_flops_per_token`) counts the full matrix, 12 L T d. No recomputation is counted.

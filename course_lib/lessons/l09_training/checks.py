@@ -260,6 +260,11 @@ _WARM = _noise(60, 2.0, 0.01, seed=3)
 _TWICE = _noise(120, 2.5, 0.01, seed=5)
 _NAN = _noise(100, 2.2, 0.01, seed=6)
 _WAVE = [1.0 + 0.02 * math.sin(2.1 * i) for i in range(60)]     # bounded: a short window's z-scores stay small
+_OUT_IN = _noise(30, 2.0, 0.01, seed=11)
+_OUT_GONE = _noise(30, 2.0, 0.01, seed=12)
+_DIP = _noise(110, 2.4, 0.01, seed=8)
+_EDGE = _noise(40, 1.5, 0.01, seed=9)
+_NAN_EDGE = _noise(40, 1.8, 0.01, seed=10)
 SPIKE_STREAMS = (  # (name, (window, warmup, z), values): every step's verdict is compared with the reference's
     ("steady noise, one spike of +0.3 at step 60 (a loss of 3.0, noise 0.01)", (20, 10, 6.0),
      _with(_STEADY, {60: _STEADY[60] + 0.3})),
@@ -273,6 +278,18 @@ SPIKE_STREAMS = (  # (name, (window, warmup, z), values): every step's verdict i
      _with(_NAN, {3: math.nan, 40: math.inf, 70: _NAN[70] + 0.2})),
     ("other settings: window 8, warm-up 4, z 3; a wave of +-0.02, bumps of +0.06 at steps 6 and 40", (8, 4, 3.0),
      _with(_WAVE, {6: _WAVE[6] + 0.06, 40: _WAVE[40] + 0.06})),
+    # the window's length: an outlier accepted in the warm-up (step 2) is one of the last 12 accepted values up to
+    # step 14 and gone at step 15; a jump of +0.1 is no spike beside it and a spike without it
+    ("window 12, warm-up 6, z 5: an outlier of +1 at step 2 (warm-up), a jump of +0.1 at step 14", (12, 6, 5.0),
+     _with(_OUT_IN, {2: _OUT_IN[2] + 1.0, 14: _OUT_IN[14] + 0.1})),
+    ("window 12, warm-up 6, z 5: an outlier of +1 at step 2 (warm-up), a jump of +0.1 at step 15", (12, 6, 5.0),
+     _with(_OUT_GONE, {2: _OUT_GONE[2] + 1.0, 15: _OUT_GONE[15] + 0.1})),
+    ("a dip of -0.3 at step 50 (a loss falling fast), a spike of +0.3 at step 90", (20, 10, 6.0),
+     _with(_DIP, {50: _DIP[50] - 0.3, 90: _DIP[90] + 0.3})),
+    ("a jump of +0.3 at step 10, the first step after a warm-up of 10", (20, 10, 6.0),
+     _with(_EDGE, {10: _EDGE[10] + 0.3})),
+    ("a NaN at step 2, a jump of +0.3 at step 10 (warm-up 10)", (20, 10, 6.0),
+     _with(_NAN_EDGE, {2: math.nan, 10: _NAN_EDGE[10] + 0.3})),
 )
 
 
@@ -295,28 +312,49 @@ def _spike_zscores(window: int, warmup: int, z: float, values) -> list[float]:
     return out
 
 
+def _z_verdict(span: list[float], value: float, z: float) -> bool:
+    """Whether ``value`` is a spike against the accepted values ``span`` (sample standard deviation)."""
+    n = len(span)
+    mean = sum(span) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in span) / (n - 1))
+    return value - mean > z * std
+
+
 def _spike_hint(step: int, values: list[float], want: list[bool], settings: tuple, expected: bool) -> str:
-    """Where to look, from what the reference saw at the first step the learner's verdict differs."""
+    """Where to look, from what the reference saw at the first step the learner's verdict differs: the exercise's
+    rule that decides this verdict, found by asking which other reading of the rules gives the learner's verdict
+    (fewer accepted values than the warm-up, a span of accepted values other than the last `window`, a value below
+    the mean)."""
     window, warmup, z = settings
     v = values[step]
     if not math.isfinite(v):
         return ("a NaN or inf loss is a spike at any step, warm-up included, and never enters the window "
-                "(the exercise's last bullet)")
+                "(the rule on what a spike is)")
+    accepted = [values[i] for i in range(step) if not want[i]]      # every value the reference accepted so far
+    if not expected and len(accepted) < warmup:
+        return (f"only {len(accepted)} values accepted so far, fewer than warm-up = {warmup}: no verdict yet, the "
+                f"value only fills the window; a value kept out does not count (the warm-up rule)")
+    if expected and len(accepted) == warmup:
+        return (f"{warmup} values accepted so far, as many as warm-up = {warmup}: the warm-up is over, this value "
+                "gets a verdict (the warm-up rule)")
     if any(not math.isfinite(x) for x in values[:step]):
-        return "a non-finite value earlier in the stream must have stayed out of the window (the last bullet)"
-    accepted = sum(not w for w in want[:step])           # values in the reference's window so far (capped below)
-    if not expected and accepted < warmup:
-        return (f"only {accepted} values accepted so far, fewer than warm-up = {warmup}: no verdict yet, the value "
-                f"only fills the window (the warm-up bullet)")
+        return "a non-finite value earlier in the stream must have stayed out of the window (the window rule)"
     if expected and any(want[max(0, step - 3):step]):
         return ("a spike a few steps earlier must have stayed out of the window, else it widens the band and "
-                "hides this one (the bullet on spikes)")
+                "hides this one (the window rule)")
+    spans = [accepted, accepted[-(window + 1):]] + ([accepted[-(window - 1):]] if window > 2 else [])
+    if any(_z_verdict(span, v, z) != expected for span in spans if len(span) >= 2):
+        return (f"the mean and standard deviation are those of the last {window} accepted values, updated at every "
+                "step: older ones drop out as new ones come in, whatever their size (the window rule)")
+    window_values = accepted[-window:]
+    if not expected and v < sum(window_values) / len(window_values):
+        return ("this value lies below the window's mean: a loss that falls fast is good news, only a z-score above "
+                "z (upward) is a spike (the rule on what a spike is)")
     if expected:
-        return ("a spike is measured in standard deviations of the window, not in units of the loss: "
-                f"(value - mean) / std above z, with this stream's window = {window}, warm-up = {warmup}, z = {z:g} "
-                "(the formula above the exercise)")
+        return ("a spike is measured in standard deviations of the window, not in units of the loss, with this "
+                f"stream's window = {window}, warm-up = {warmup}, z = {z:g} (the z-score above the exercise)")
     return ("the mean and standard deviation are those of the last `window` accepted values, updated at every "
-            "step; only a z-score above z (upward) is a spike (the formula and the window bullet)")
+            "step; only a z-score above z (upward) is a spike (the z-score and the window rule)")
 
 
 def check_spike_detector(detector_cls: Callable, streams=SPIKE_STREAMS) -> list[dict]:
@@ -324,8 +362,11 @@ def check_spike_detector(detector_cls: Callable, streams=SPIKE_STREAMS) -> list[
     course's reference (`course_lib.training.spikes.SpikeDetector`: a z-score over a sliding window of accepted values,
     sample standard deviation, no verdict before ``warmup`` accepted values, spikes and non-finite values kept out
     of the window, a non-finite value always a spike) at every step of steady noise, a ramp, a spike during warm-up,
-    two spikes in a row, a NaN and an inf, and other settings. Fails at the first step that differs, naming the
-    stream, the step, the value and the verdicts."""
+    two spikes in a row, a NaN and an inf, other settings, an outlier one step before and one step after it leaves
+    the window (its length), a dip (upward only), a jump at the first step with a verdict and the same after a NaN
+    (the warm-up counts accepted values). Every verdict is clear (no z-score within 25 % of z), so a detector that
+    follows the rules passes whichever way it is written. Fails at the first step that differs, naming the stream,
+    the step, the value and the verdicts."""
     out = []
     for name, (window, warmup, z), values in streams:
         want = spike_reference(window, warmup, z, values)

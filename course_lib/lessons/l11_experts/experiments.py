@@ -155,33 +155,43 @@ def _run_ep(cfg, batches, top_k, cf, ep, lr, skew=0.0):
     return out
 
 
-def deepspeed_moe(top_k: int = 1) -> dict:
-    """DeepSpeed's MoE layer (its own TopKGate) on ep = world ranks: its l_aux and the Switch loss on its gate's
-    counts (DeepSpeed's f_i = counts / T: k times ours), or {"error"}."""
+def deepspeed_moe(top_ks=(1, 2, 3)) -> dict:
+    """DeepSpeed's MoE layer (its own TopKGate) on ep = world ranks, for each k of ``top_ks``: {k: its l_aux, the
+    Switch loss of `parallel.moe.switch_loss` on the same gate's probabilities ("ours": f_i from all k choices,
+    count / (T k)) and the same formula on the first choices only ("first": f_i = count of first choices / T)}, or
+    {"error"}. DeepSpeed 0.19's conventions (deepspeed/moe/sharded_moe.py): top1gating and top2gating take
+    ``ce = mean(mask1)``, the first choices only (``l_aux = mean(me * ce) * E * E`` in top2gating), so at k = 2 its
+    loss is "first", not ours; topkgating (k >= 3) takes every choice and divides by k, which is ours. At k = 2
+    DeepSpeed samples the second expert with Gumbel noise by default (``top2_2nd_expert_sampling``), so its counts are
+    not the deterministic top-2 that "ours" takes; its loss uses the first choices only, which are deterministic."""
     import torch.distributed as dist
 
     from course_lib import dist as cdist
 
     dev = cdist.device()
+    out = {}
     try:
         import deepspeed
         from deepspeed.moe.layer import MoE
 
         deepspeed.init_distributed(dist_backend=dist.get_backend())
-        torch.manual_seed(0)
-        expert = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
-        layer = MoE(16, expert, num_experts=4, ep_size=dist.get_world_size(), k=top_k, capacity_factor=1.0,
-                    min_capacity=0, use_rts=False).to(dev)
-        x = torch.randn(2, 8, 16, device=dev, requires_grad=True)
-        y, l_aux, counts = layer(x)
-        (y.sum() + l_aux).backward()
-        logits = torch.nn.functional.linear(x.detach().reshape(-1, 16).float(), layer.deepspeed_moe.gate.wg.weight)
-        probs = logits.softmax(-1)
-        ours = top_k * switch_loss(probs, probs.topk(top_k, -1).indices, 4)
+        for k in top_ks:
+            torch.manual_seed(0)
+            expert = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+            layer = MoE(16, expert, num_experts=4, ep_size=dist.get_world_size(), k=k, capacity_factor=1.0,
+                        min_capacity=0, use_rts=False).to(dev)
+            x = torch.randn(2, 8, 16, device=dev, requires_grad=True)
+            y, l_aux, counts = layer(x)
+            (y.sum() + l_aux).backward()
+            logits = torch.nn.functional.linear(x.detach().reshape(-1, 16).float(), layer.deepspeed_moe.gate.wg.weight)
+            probs = logits.softmax(-1)                                              # (T, E)
+            chosen = probs.topk(k, -1).indices                                      # (T, k)
+            out[k] = dict(l_aux=l_aux.item(), ours=switch_loss(probs, chosen, 4).item(),
+                          first=switch_loss(probs, chosen[:, :1], 4).item(), shape=tuple(y.shape),
+                          grad=x.grad is not None, counts=[int(c) for c in counts])
     except Exception as exc:  # noqa: BLE001 - the outcome is the record
         return dict(error=f"{type(exc).__name__}: {exc}")
-    return dict(l_aux=l_aux.item(), ours=ours.item(), shape=tuple(y.shape), grad=x.grad is not None,
-                counts=[int(c) for c in counts])
+    return out
 
 
 def rank_moe_lab(cfg, batches, lr: float, cases, skew: float = 1.0) -> dict:

@@ -13,7 +13,7 @@ def load_figure(runs: dict, hardware: str):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    for (method, r), color in zip(runs.items(), ("C0", "C1", "C2")):
+    for (method, r), color in zip(runs.items(), ("C0", "C1", "C2", "C3")):
         ax.plot(r["load"], label=method, color=color)
     ax.axhline(1, color="grey", lw=0.8, ls="--")
     ax.set(xlabel="step", ylabel="max / mean tokens per expert", title=f"expert load over training\n[{hardware}]")
@@ -33,7 +33,7 @@ def dropped_figure(drops: dict, hardware: str):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3))
-    for (method, rows), color in zip(drops.items(), ("C0", "C1", "C2")):
+    for (method, rows), color in zip(drops.items(), ("C0", "C1", "C2", "C3")):
         ax.plot([d["cf"] for d in rows], [100 * d["fraction"] for d in rows], "o-", label=method, color=color)
     ax.set(xlabel="capacity factor", ylabel="assignments dropped (%)", title=f"dropped tokens, last step\n[{hardware}]")
     ax.legend()
