@@ -59,7 +59,7 @@ def test_the_right_answers_pass():
     assert set(losses) == {1, 2} and all(v > 0.01 for v in losses.values())   # skewed: above alpha
     assert len(checks.check_dispatch(dispatch_order)) == 4
     rows = checks.check_capacity(capacity_keep)
-    assert len(rows) == 8 and rows[0]["dropped"] > 0 and rows[-1]["dropped"] == 0
+    assert len(rows) == 12 and rows[0]["dropped"] > 0 and rows[-1]["dropped"] == 0
 
 
 # ------------------------------------------------------------------ 11-router-loss
@@ -93,6 +93,11 @@ def loss_f_over_tokens(probs, indices, n_experts, alpha):       # counts / T, no
     return alpha * n_experts * (f * probs.mean(0)).sum()
 
 
+def loss_indices_rederived(probs, indices, n_experts, alpha):   # the top-k of probs, not the indices given
+    chosen = torch.topk(probs, indices.shape[1], -1).indices
+    return balancing_loss(probs, chosen, n_experts, alpha)
+
+
 def loss_f_detached_wrongly(probs, indices, n_experts, alpha):   # P_i detached too: no gradient at all
     f = torch.bincount(indices.reshape(-1), minlength=n_experts).to(probs.dtype) / indices.numel()
     return alpha * n_experts * (f * probs.detach().mean(0)).sum() + 0 * probs.sum()
@@ -105,8 +110,9 @@ def loss_f_detached_wrongly(probs, indices, n_experts, alpha):   # P_i detached 
     (top_k_route, loss_f_from_probabilities, r"balancing_loss\(k=1, skewed routing"),
     (top_k_route, loss_f_over_tokens, r"balancing_loss\(k=2, skewed routing"),
     (top_k_route, loss_f_detached_wrongly, r"balancing_loss\(k=1\): gradient w.r.t. the logits"),
+    (top_k_route, loss_indices_rederived, r"balancing_loss\(k=2, a noisy router's assignments"),
 ], ids=["softmax-after-top-k", "never-renormalised", "probs-of-the-k", "f-from-probabilities", "f-over-T",
-        "no-gradient"])
+        "no-gradient", "indices-rederived"])
 def test_router_loss_wrong_answers_fail(route, loss, match):
     with pytest.raises(CheckFailed, match=match) as err:
         checks.check_router_loss(route, loss)
@@ -148,11 +154,13 @@ def test_dispatch_wrong_answers_fail(fn, match):
     (dict(token_major=True), r"capacity_keep\(k=2, capacity_factor=0.5, 24 tokens, 4 experts\): keep"),
     (dict(served="<="), r"capacity_keep\(k=1, capacity_factor=0.5, 24 tokens, 4 experts\): dropped"),
     (dict(capacity=lambda cf, T, k, E: math.floor(cf * T * k / E)),
-     r"capacity_keep\(k=1, capacity_factor=1.25, .*dropped"),
+     r"capacity_keep\(k=1, capacity_factor=0.9, .*dropped"),
+    (dict(capacity=lambda cf, T, k, E: round(cf * T * k / E)),             # 5.4 -> 5: a fraction below one half
+     r"capacity_keep\(k=1, capacity_factor=0.9, .*dropped"),
     (dict(capacity=lambda cf, T, k, E: math.ceil(cf * T * k / E) + 1),
      r"capacity_keep\(k=1, capacity_factor=0.5, .*dropped"),
     (dict(capacity=lambda cf, T, k, E: math.ceil(cf * T / E)), r"capacity_keep\(k=2, capacity_factor=0.5, .*dropped"),
-], ids=["token-major-order", "place-<=-capacity", "floor", "capacity+1", "without-k"])
+], ids=["token-major-order", "place-<=-capacity", "floor", "round", "capacity+1", "without-k"])
 def test_capacity_wrong_answers_fail(kwargs, match):
     with pytest.raises(CheckFailed, match=match):
         checks.check_capacity(lambda idx, E, cf: capacity_keep(idx, E, cf, **kwargs))

@@ -4,8 +4,8 @@ The learner writes, with the signatures below:
 
     merge_lse(out_a, lse_a, out_b, lse_b) -> (out, lse)                           10-merge-lse (one process)
     balanced_chunks(cp, rank) -> [i, j];  step_masks(cp, rank, step) -> [[kind]]   10-balanced-split (one process)
-    ring_step(q, kv, out, lse, q_start, kv_start, group=None) -> (out, lse, kv)   10-ring-step (2 gloo ranks)
-    seq_to_heads(x, group=None), heads_to_seq(y, group=None)                      10-ulysses-reshape (2 gloo ranks)
+    ring_step(q, kv, out, lse, q_start, kv_start, group=None) -> (out, lse, kv)   10-ring-step (3 gloo ranks)
+    seq_to_heads(x, group=None), heads_to_seq(y, group=None)                      10-ulysses-reshape (3 gloo ranks)
 
 Each check compares with a one-process reference (SDPA on the whole sequence, `torch.logsumexp`, slicing the full
 tensor), and a failure raises `CheckFailed` with a one-line message naming the case. The rank-side harnesses
@@ -20,13 +20,13 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from course_lib import dist as cdist
 from course_lib.measure.collective_counter import CollectiveCounter
 from course_lib.grading.check import check_close, check_equal, check_true
 from course_lib.lessons.rank_records import RankRecords, replay_records
 from course_lib.parallel.block_attention import attend_block
-from course_lib.reference import reference_for
 
 __all__ = ["check_merge_lse", "check_balanced_split", "rank_try_ring_step", "rank_try_ulysses", "check_records",
            "MASK_KINDS"]
@@ -76,34 +76,44 @@ def check_merge_lse(merge_lse) -> list[dict]:
 
 # ------------------------------------------------------------------------------ 10-balanced-split
 
-@reference_for("10-balanced-split")
-def _expected_chunks(cp: int, rank: int) -> list[int]:
-    return [rank, 2 * cp - 1 - rank]
-
-
-@reference_for("10-balanced-split")
-def _expected_masks(cp: int, rank: int, step: int) -> list[list[str]]:
-    src = (rank - step) % cp
-    kind = lambda qc, kc: "full" if kc < qc else "causal" if kc == qc else "skip"   # noqa: E731
-    return [[kind(qc, kc) for kc in _expected_chunks(cp, src)] for qc in _expected_chunks(cp, rank)]
+def _kind(qc: int, kc: int) -> str:
+    """The causal mask of query chunk qc against key chunk kc: before, the diagonal, after."""
+    return "full" if kc < qc else "causal" if kc == qc else "skip"
 
 
 def check_balanced_split(balanced_chunks, step_masks, cps=(1, 2, 3, 4)) -> dict:
-    """Every rank's chunks and every ring step's masks for cp in `cps`; then the work they imply: every rank
-    computes the same number of chunk pairs, 2cp + 1 (a causal one counts 1; `theory.context.causal_work_per_rank`).
-    Returns {cp: [chunk pairs computed per rank]}."""
+    """For cp in `cps`: the split's rules (two of the 2cp chunks per rank, every chunk held by exactly one rank),
+    the work it implies (every rank computes the same number of chunk pairs over the ring: a query chunk needs the
+    key chunks up to its own, a causal one counts 1; `theory.context.causal_work_per_rank`), then every ring step's
+    masks against the learner's own chunks (rows and columns in the order `balanced_chunks` returns them).
+
+    Any split that satisfies the rules passes: ``[r, 2cp-1-r]``, its reverse, or the pairs given to the ranks in
+    another order. Returns {cp: [chunk pairs computed per rank]}."""
     work = {}
     for cp in cps:
+        chunks = []
+        for r in range(cp):
+            got = [int(c) for c in balanced_chunks(cp, r)]
+            check_equal(f"balanced_chunks(cp={cp}, rank={r}): number of chunks", len(got), 2,
+                        hint="the sequence is cut into 2cp equal chunks and every rank holds two of them")
+            chunks.append(got)
+        check_equal(f"balanced_chunks(cp={cp}) over every rank, sorted: each of the 2cp chunks held once",
+                    sorted(c for pair in chunks for c in pair), list(range(2 * cp)),
+                    hint="chunks are numbered from 0 to 2cp - 1, and no two ranks hold the same one")
+        needs = [sum(c + 1 for c in pair) for pair in chunks]             # key chunks at or before each query chunk
+        check_equal(f"balanced_chunks(cp={cp}): chunk pairs each rank must compute (ranks {chunks})", needs,
+                    [2 * cp + 1] * cp,
+                    hint="with the causal mask a late query chunk needs many key chunks and an early one few: pair "
+                         "them so that every rank needs the same number")
         work[cp] = []
         for r in range(cp):
-            got = balanced_chunks(cp, r)
-            check_equal(f"balanced_chunks(cp={cp}, rank={r})", [int(c) for c in got], _expected_chunks(cp, r),
-                        hint="2cp chunks; each rank takes one from the front and its mirror from the back")
             pairs = 0
             for t in range(cp):
+                src = (r - t) % cp
                 masks = step_masks(cp, r, t)
-                check_equal(f"step_masks(cp={cp}, rank={r}, step={t}) (rows: my chunks, columns: the chunks of rank "
-                            f"{(r - t) % cp}'s K/V)", [list(m) for m in masks], _expected_masks(cp, r, t),
+                check_equal(f"step_masks(cp={cp}, rank={r}, step={t}) (rows: my chunks {chunks[r]}, columns: the "
+                            f"chunks {chunks[src]} of rank {src}'s K/V)", [list(m) for m in masks],
+                            [[_kind(qc, kc) for kc in chunks[src]] for qc in chunks[r]],
                             hint="at step t the rank holds rank (r - t) % cp's K/V; a key chunk before the query "
                                  "chunk is 'full', the same chunk 'causal', a later one 'skip'")
                 pairs += sum(m != "skip" for row in masks for m in row)
@@ -119,45 +129,73 @@ def _ops(counter: CollectiveCounter) -> dict:
     return {op: row["calls"] for (_, op), row in counter.table().items()}
 
 
-def rank_try_ring_step(ring_step, B: int = 2, H: int = 3, seq_len: int = 16, D: int = 8) -> list[dict]:
-    """Run `ring_step` cp times on every rank (contiguous split, causal; cp = the world size): the K/V each step
-    passes on, and the final output and lse vs SDPA and logsumexp of the whole sequence. Returns records."""
-    rec = RankRecords("10-ring-step", rtol=0)
+def _ring(rec: RankRecords, ring_step, group, where: str, B: int, H: int, seq_len: int, D: int) -> None:
+    """cp steps of `ring_step` on this rank of `group` (contiguous split, causal): the K/V received at each step,
+    the matmul FLOPs of a step whose chunk lies wholly after the queries (skipped: none), the output and lse."""
     dev = cdist.device()
-    cp, r = dist.get_world_size(), dist.get_rank()
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
     n = seq_len // cp
-    q, k, v = (t.to(dev) for t in _qkv(B, H, seq_len, D, seed=3))
+    q, k, v = (t.to(dev) for t in _qkv(B, H, seq_len, D, seed=3 + cp))
     mine = slice(r * n, (r + 1) * n)
+    kv = torch.stack([k[..., mine, :], v[..., mine, :]]).contiguous()          # (2, B, H, n, D)
+    out = torch.zeros(B, H, n, D, device=dev)
+    lse = torch.full((B, H, n), float("-inf"), device=dev)
+    for t in range(cp):
+        src = (r - t) % cp
+        counter = FlopCounterMode(display=False)
+        with counter:
+            out, lse, kv = ring_step(q[..., mine, :].contiguous(), kv, out, lse, r * n, src * n, group)
+        if src > r:                                                            # every key after every query
+            rec.add("equal", f"{where}step {t}: attention computed on a chunk wholly after the queries (matmul "
+                             f"FLOPs, chunk of member {src})", counter.get_total_flops(), 0,
+                    "a chunk whose first key comes after the last query contributes nothing: skip it, do not mask it")
+        nxt = (src - 1) % cp                                                   # the chunk that came from the left
+        want = torch.stack([k[..., nxt * n:(nxt + 1) * n, :], v[..., nxt * n:(nxt + 1) * n, :]])
+        rec.add("close", f"{where}after step {t}: the K/V received is member {nxt}'s",
+                (kv - want).abs().max().item() if kv.shape == want.shape else float("inf"), 0.0,
+                "send what you hold to the next member of the ring (r+1) and receive from the previous one (r-1), "
+                "both in one batch_isend_irecv")
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)[..., mine, :]
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+    s = s.masked_fill(torch.ones(seq_len, seq_len, dtype=torch.bool, device=dev).triu(1), float("-inf"))
+    rec.add("close", f"{where}after {cp} steps: max |output - SDPA over the whole sequence|",
+            (out - ref).abs().max().item(), 0.0,
+            "attend with the right positions (q_start, kv_start), skip chunks wholly after the queries, mask the "
+            "diagonal one, and merge by log-sum-exp")
+    rec.add("close", f"{where}after {cp} steps: max |lse - logsumexp of the causal scores|",
+            (lse - torch.logsumexp(s, -1)[..., mine]).abs().max().item(), 0.0,
+            "return the merged lse with the output")
+
+
+def rank_try_ring_step(ring_step, B: int = 2, H: int = 2, seq_len: int = 18, D: int = 8) -> list[dict]:
+    """Run `ring_step` cp times on every rank (contiguous split, causal), on a ring of the whole world (cp = the
+    world size, 3 in the test: the left and right neighbours differ) and, with 3 ranks or more, on a ring of
+    ranks 1 and 2 passed as `group` (ring members are not global ranks there). Each: the K/V every step passes on,
+    no work on a chunk wholly after the queries, the final output and lse vs SDPA and logsumexp of the whole
+    sequence. Returns records."""
+    rec = RankRecords("10-ring-step", rtol=0)
+    world = dist.get_world_size()
+    pair = dist.new_group([1, 2]) if world >= 3 else None                     # every rank calls new_group
+    ok = torch.ones(1, device=cdist.device())
     try:
-        kv = torch.stack([k[..., mine, :], v[..., mine, :]]).contiguous()          # (2, B, H, n, D)
-        out = torch.zeros(B, H, n, D, device=dev)
-        lse = torch.full((B, H, n), float("-inf"), device=dev)
-        for t in range(cp):
-            src = (r - t) % cp
-            out, lse, kv = ring_step(q[..., mine, :].contiguous(), kv, out, lse, r * n, src * n, None)
-            nxt = (src - 1) % cp                                                   # the chunk that came from the left
-            want = torch.stack([k[..., nxt * n:(nxt + 1) * n, :], v[..., nxt * n:(nxt + 1) * n, :]])
-            rec.add("close", f"after step {t}: the K/V received is rank {nxt}'s",
-                    (kv - want).abs().max().item() if kv.shape == want.shape else float("inf"), 0.0,
-                    "send what you hold to rank r+1 and receive from rank r-1, both in one batch_isend_irecv")
-        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)[..., mine, :]
-        s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
-        s = s.masked_fill(torch.ones(seq_len, seq_len, dtype=torch.bool, device=dev).triu(1), float("-inf"))
-        rec.add("close", f"after {cp} steps: max |output - SDPA over the whole sequence|",
-                (out - ref).abs().max().item(), 0.0,
-                "attend with the right positions (q_start, kv_start), skip chunks wholly after the queries, mask the "
-                "diagonal one, and merge by log-sum-exp")
-        rec.add("close", f"after {cp} steps: max |lse - logsumexp of the causal scores|",
-                (lse - torch.logsumexp(s, -1)[..., mine]).abs().max().item(), 0.0,
-                "return the merged lse with the output")
+        _ring(rec, ring_step, None, f"ring of {world}, ", B, H, seq_len, D)
     except Exception as exc:  # noqa: BLE001 - a learner's error becomes a failed check
         rec.error(exc)
+        ok.zero_()
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)                                 # the group's ring only if all passed
+    if ok.item() and pair is not None and dist.get_rank() in (1, 2):
+        try:
+            _ring(rec, ring_step, pair, "ring of ranks [1, 2] as group, ", B, H, seq_len, D)
+        except Exception as exc:  # noqa: BLE001
+            rec.error(exc)
     return rec.items
 
 
-def rank_try_ulysses(seq_to_heads, heads_to_seq, B: int = 2, seq_len: int = 8, H: int = 4, D: int = 3) -> list[dict]:
+def rank_try_ulysses(seq_to_heads, heads_to_seq, B: int = 4, seq_len: int = 15, H: int = 6,
+                     D: int = 7) -> list[dict]:
     """(B, s/cp, H, D) -> (B, s, H/cp, D) and back on every rank (contiguous split): each result vs slicing the full
-    tensor, one all_to_all_single per call and no other collective. Returns records."""
+    tensor, one all_to_all_single per call and no other collective. The test's sizes on 3 ranks (B 4, s/cp 5,
+    H/cp 2, cp 3, D 7) are all different, so no mix-up of two axes of equal size goes unseen. Returns records."""
     rec = RankRecords("10-ulysses-reshape", rtol=0)
     dev = cdist.device()
     cp, r = dist.get_world_size(), dist.get_rank()
@@ -173,8 +211,8 @@ def rank_try_ulysses(seq_to_heads, heads_to_seq, B: int = 2, seq_len: int = 8, H
             rec.add("equal", f"{name}: output shape", list(y.shape), list(want.shape),
                     "sequence-sharded (B, s/cp, H, D) <-> head-sharded (B, s, H/cp, D)")
             rec.add("close", f"{name}: max |output - the slice of the full tensor|", (y - want).abs().max().item(),
-                    0.0, "part j of what you send goes to rank j: order the parts along dim 0 before all_to_all_single, "
-                         "and put what you receive back in rank order")
+                    0.0, "part j of what you send goes to rank j: order the parts along dim 0 before "
+                         "all_to_all_single, and put what you receive back in rank order")
             rec.add("equal", f"{name}: collectives called", _ops(counter), {"all_to_all_single": 1},
                     "one dist.all_to_all_single, nothing else")
         back = heads_to_seq(seq_to_heads(x_r, None), None)

@@ -7,7 +7,7 @@ The learner writes, with the signatures below:
     dispatch_order(indices, n_experts) -> (order, counts, inverse)                  11-dispatch-permutation
     capacity_keep(indices, n_experts, capacity_factor) -> (keep (T, k), dropped)     11-capacity-drop
     split_sizes(counts, group=None) -> (send, recv, got)
-    expert_parallel_compute(rows, counts, experts, group=None) -> out              11-all-to-all-combine (2 ranks)
+    expert_parallel_compute(rows, counts, experts, group=None) -> out              11-all-to-all-combine (3 ranks)
 
 Each check compares with a one-process reference (`course_lib.parallel.moe`), and a failure raises `CheckFailed`
 with a one-line message naming the case. `rank_try_all_to_all` returns records (`rank_records.RankRecords`) that
@@ -37,7 +37,9 @@ def _logits(T=24, E=6, seed=0, scale=2.0):
 def check_router_loss(top_k_route, balancing_loss) -> dict:
     """The router for k = 1, 2, 3, with and without renormalisation (Switch keeps p of the chosen experts; softmax
     of the k chosen logits is then wrong); the Switch loss and its gradient w.r.t. the logits (through P_i only),
-    on a skewed routing (f_i from probabilities differ from f_i from counts). Returns {"loss": value at k=2}."""
+    on a skewed routing (f_i from probabilities differ from f_i from counts), and on a noisy router's assignments
+    (not the top-k of the probabilities: f_i comes from the indices given). Returns {k: loss on the skewed
+    routing}."""
     out = {}
     for k in (1, 2, 3):
         for normalize in (True, False):
@@ -70,6 +72,22 @@ def check_router_loss(top_k_route, balancing_loss) -> dict:
         check_close(f"balancing_loss(k={k}): gradient w.r.t. the logits", g_got, g_want, rtol=0, atol=1e-7,
                     hint="the counts carry no gradient; only P_i does")
         out[k] = float(torch.as_tensor(got).detach())
+    # The loss takes the assignments it is given: here a noisy router's (Shazeer et al. 2017's noisy top-k, Switch's
+    # jitter), so they are not the top-k of the probabilities it is given and re-deriving them is wrong.
+    g = torch.Generator().manual_seed(20)
+    logits = (_logits(T=40, E=5, seed=21) + torch.tensor([2.0, 1.0, 0.0, 0.0, -1.0])).requires_grad_()
+    probs = logits.softmax(-1)
+    indices = torch.topk(logits.detach() + 2.0 * torch.randn(40, 5, generator=g), 2, -1).indices
+    got = balancing_loss(probs, indices, 5, 0.01)
+    want = switch_loss(probs, indices, 5, 0.01)
+    check_close("balancing_loss(k=2, a noisy router's assignments: not the top-k of probs, 5 experts)",
+                float(torch.as_tensor(got).detach()), float(want.detach()), rtol=1e-5, atol=0,
+                hint="f_i counts the assignments in `indices`, whichever way the router made them: use the "
+                     "indices you are given")
+    g_got, = torch.autograd.grad(got, logits, retain_graph=True)
+    g_want, = torch.autograd.grad(want, logits)
+    check_close("balancing_loss(k=2, a noisy router's assignments): gradient w.r.t. the logits", g_got, g_want,
+                rtol=0, atol=1e-7, hint="the counts carry no gradient; only P_i does")
     uniform = torch.full((8, 4), 0.25)
     check_close("balancing_loss of a uniform routing (8 tokens, 4 experts, k=1, alpha=0.01)",
                 float(balancing_loss(uniform, torch.arange(8).remainder(4).unsqueeze(1), 4, 0.01)), 0.01, rtol=1e-6,
@@ -106,15 +124,17 @@ def check_dispatch(dispatch_order) -> list[dict]:
 # ------------------------------------------------------------------------------ 11-capacity-drop
 
 def check_capacity(capacity_keep) -> list[dict]:
-    """keep (T, k) and the number dropped for capacity factors 0.5, 1.0, 1.25, 2.0 on skewed routings of k = 1 and 2:
-    over-capacity assignments dropped in order (every first choice before any second, then by position)."""
+    """keep (T, k) and the number dropped for capacity factors 0.5, 0.9, 1.0, 1.1, 1.25, 2.0 on skewed routings of
+    k = 1 and 2: over-capacity assignments dropped in order (every first choice before any second, then by
+    position). cf T k / E is then an integer, or has a fraction below one half (5.4, 13.2), one half (7.5) or above
+    (10.8, 6.6): ceil differs from round, from floor and from +1."""
     rows = []
     g = torch.Generator().manual_seed(5)
     for k in (1, 2):
         T, E = 24, 4
         probs = (torch.randn(T, E, generator=g) + torch.tensor([2.0, 1.0, 0.0, 0.0])).softmax(-1)
         idx = torch.topk(probs, k, -1).indices
-        for cf in (0.5, 1.0, 1.25, 2.0):
+        for cf in (0.5, 0.9, 1.0, 1.1, 1.25, 2.0):
             keep, dropped = capacity_keep(idx, E, cf)
             d = dispatch_permutation(idx, E, capacity_of(cf, T, k, E))
             want = torch.zeros(T * k, dtype=torch.bool)
@@ -132,11 +152,13 @@ def check_capacity(capacity_keep) -> list[dict]:
 
 # ------------------------------------------------------------------------------ 11-all-to-all-combine
 
-def rank_try_all_to_all(split_sizes, expert_parallel_compute, T: int = 12, C: int = 8, F: int = 6,
-                        n_experts: int = 4, top_k: int = 2) -> list[dict]:
+def rank_try_all_to_all(split_sizes, expert_parallel_compute, T: int = 12, C: int = 8, F: int = 5,
+                        n_experts: int = 6, top_k: int = 2) -> list[dict]:
     """On every rank (ep = the world size): this rank's tokens routed (skewed, seeded by rank), sorted by expert;
     the learner's split sizes vs the counts every rank sent; the learner's compute (its experts' shard, all-to-all
-    there and back) vs the full experts in one process; collectives called. Returns records."""
+    there and back) vs the full experts in one process; collectives called. The test runs it on 3 ranks with 6
+    experts (ep 3 != E/ep 2, so no (ep, E/ep) table reads the same transposed), rank s's routing skewed towards
+    experts s and s + 1. Returns records."""
     rec = RankRecords("11-all-to-all-combine", rtol=0)
     dev = cdist.device()
     P, r = dist.get_world_size(), dist.get_rank()
@@ -148,8 +170,10 @@ def rank_try_all_to_all(split_sizes, expert_parallel_compute, T: int = 12, C: in
         for name in ("w1", "w2", "w3"):
             getattr(shard, name).copy_(getattr(full, name)[r * n:(r + 1) * n])
     g = torch.Generator().manual_seed(100 + r)
-    all_idx = [torch.topk(torch.randn(T, n_experts, generator=torch.Generator().manual_seed(100 + s))
-                          + torch.tensor([1.5 * s, 1.0, 0.0, 0.0][:n_experts]), top_k, -1).indices for s in range(P)]
+    skew = [torch.zeros(n_experts).index_fill_(0, torch.tensor([s % n_experts]), 1.5 * s + 1.0)
+            .index_fill_(0, torch.tensor([(s + 1) % n_experts]), 1.0) for s in range(P)]   # rank s favours expert s
+    all_idx = [torch.topk(torch.randn(T, n_experts, generator=torch.Generator().manual_seed(100 + s)) + skew[s],
+                          top_k, -1).indices for s in range(P)]
     idx = all_idx[r]
     x = torch.randn(T, C, generator=g).to(dev)
     d = dispatch_permutation(idx, n_experts)
