@@ -229,7 +229,7 @@ def test_checks_accept_the_reference_answers():
     out = savers_checks.check_checkpointed_block(CheckpointedBlock)
     assert out["held"] < out["plain_held"] / 3 and out["flops"] > out["plain_flops"]
     savers_checks.check_activation_estimator(_estimator)
-    savers_checks.check_budget_fitter(lambda b, c, g: theory.savers.fit_budget(b, c, g))
+    savers_checks.check_budget_fitter(lambda b, c, g, **kw: theory.savers.fit_budget(b, c, g, **kw))
 
 
 class _NoCheckpoint(CheckpointedBlock):

@@ -152,3 +152,20 @@ def test_wrong_answers_fail_with_a_clear_message(four_ranks, variant):
     assert "\n" not in msg and "tp=2, rank 0" in msg
     for words in WRONG[variant]:
         assert words in msg, msg
+
+
+def test_launch_reuses_only_the_same_answers(monkeypatch):
+    """The test cells after the first of a launch reuse its records only for the very same answer objects, so each
+    exercise's cells also run on their own (tests/test_mistakes.py) and an answer cell run again is launched again."""
+    calls = []
+    monkeypatch.setattr(tp_checks, "run", lambda fn, nprocs, args, **kw: calls.append(args[0]) or object())
+    monkeypatch.setattr(tp_checks, "_LAUNCHES", [])
+    col, row, f = (lambda: 0), (lambda: 0), (lambda: 0)
+    first = tp_checks.launch({"column": col, "row": row}, 4, "gloo", helpers=(f,))
+    assert tp_checks.launch({"column": col, "row": row}, 4, "gloo", helpers=(f,), reuse=True) is first
+    assert len(calls) == 1 and calls[0] == {"column": col, "row": row}
+    assert tp_checks.launch({"column": col, "row": (lambda: 0)}, 4, "gloo", helpers=(f,), reuse=True) is not first
+    assert tp_checks.launch({"column": col, "row": row}, 4, "gloo", helpers=((lambda: 0),), reuse=True) is not first
+    assert tp_checks.launch({"column": col, "row": row}, 2, "gloo", helpers=(f,), reuse=True) is not first
+    assert tp_checks.launch({"column": col, "row": row}, 4, "gloo", helpers=(f,)) is not first   # the first cell
+    assert len(calls) == 5

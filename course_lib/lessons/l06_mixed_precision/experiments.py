@@ -57,7 +57,8 @@ def scaler_trace(make_scaler, steps: int = 200, overflows: dict | None = None, s
     get_scale); inject `overflows` ({step: 'inf'|'nan'}) into one gradient after backward. Every
     `unscale_every`-th step calls ``unscale_`` before ``step``, as gradient clipping does (step must not unscale again).
 
-    Returns {'scales': scale used at each step, 'stepped': whether optimizer.step ran, 'params': final weights}."""
+    Returns {'scales': scale used at each step, 'stepped': whether optimizer.step ran, 'returned': what
+    ``step`` returned, 'params': final weights}."""
     overflows = overflow_steps(steps, seed) if overflows is None else overflows
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -68,7 +69,7 @@ def scaler_trace(make_scaler, steps: int = 200, overflows: dict | None = None, s
     scaler = make_scaler()
     params = list(model.parameters())
     x, y = torch.randn(32, 8), torch.randn(32, 1)
-    scales, stepped = [], []
+    scales, stepped, returned = [], [], []
     for s in range(steps):
         loss = ((model(x) - y) ** 2).mean()
         scales.append(float(scaler.get_scale()))
@@ -78,11 +79,12 @@ def scaler_trace(make_scaler, steps: int = 200, overflows: dict | None = None, s
         n = len(calls)
         if unscale_every and s % unscale_every == unscale_every - 1:
             scaler.unscale_(opt)
-        scaler.step(opt)
+        returned.append(scaler.step(opt))
         scaler.update()
         stepped.append(len(calls) > n)
         opt.zero_grad(set_to_none=True)
-    return {"scales": scales, "stepped": stepped, "params": [p.detach().clone() for p in params]}
+    return {"scales": scales, "stepped": stepped, "returned": returned,
+            "params": [p.detach().clone() for p in params]}
 
 
 def rank_scaler_agreement(make_scaler, steps: int = 30, overflow_rank: int = 1, every: int = 7) -> dict:

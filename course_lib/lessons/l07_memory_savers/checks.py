@@ -42,7 +42,7 @@ def check_checkpointed_block(wrapper_cls: Callable, cfg: ModelConfig = CHECK_CFG
                 hint="do not detach the input or run under no_grad: gradients must flow through the wrapper")
     err = max((a - b).abs().max().item() for a, b in zip(got["grads"].values(), ref["grads"].values()))
     check_close("largest gradient difference from the plain model", err, 0.0, atol=1e-6,
-                hint="checkpoint(self.block, x, use_reentrant=False) recomputes exactly the same forward")
+                hint="the recomputation in backward must run exactly the forward of the first pass")
     est = theory.savers.checkpointed_activation_bytes(cfg, batch, every=1)["held"]
     check_close(f"activation bytes held after the forward (plain model: {ref['held']})", got["held"], est,
                 rtol=0.10, hint="torch.utils.checkpoint.checkpoint keeps only the block's input")
@@ -57,6 +57,8 @@ ESTIMATOR_CASES = (  # (config overrides, batch, seq_len, every, attention)
     (dict(), 4, 32, None, "sdpa"), (dict(), 4, 32, 1, "sdpa"), (dict(n_layer=4), 2, 32, 2, "sdpa"),
     (dict(n_layer=5), 2, 32, 2, "sdpa"), (dict(), 2, 32, 3, "sdpa"), (dict(seq_len=96), 2, 96, None, "naive"),
     (dict(seq_len=128, n_head=4), 1, 128, None, "naive"), (dict(n_layer=4, seq_len=64), 2, 64, 2, "naive"),
+    # a batch shorter than the model's context (seq_len is an argument, not cfg.seq_len), and 4 blocks in segments of 3
+    (dict(seq_len=128), 2, 32, None, "sdpa"), (dict(seq_len=128, n_layer=4), 2, 48, 3, "naive"),
 )
 
 
@@ -91,26 +93,37 @@ def budget_candidates(seq_len: int = 128) -> list[ModelConfig]:
     return out
 
 
-BUDGET_CASES = ((8e6, 8), (25e6, 16), (60e6, 32), (60e6, 1), (150e6, 64), (1e5, 4))
+# (budget bytes, global batch[, everys]): global batches 12 and 20 have divisors that halving misses (4 of 12) and
+# non-divisors that fit (3 of 20); the last case passes its own checkpointing choices
+BUDGET_CASES = ((8e6, 8), (25e6, 16), (60e6, 32), (60e6, 1), (150e6, 64), (1e5, 4), (15e6, 12), (100e6, 20),
+                (60e6, 12, (None, 3)))
 
 
 def check_budget_fitter(fn: Callable, cases=BUDGET_CASES) -> list[dict]:
-    """``fn(budget_bytes, candidates, global_batch)`` must choose what ``course_lib.theory.savers.fit_budget``
-    chooses: the same model, micro-batch and checkpointing (None when nothing fits)."""
+    """``fn(budget_bytes, candidates, global_batch)`` (and ``everys=`` where a case gives it) must choose what
+    ``course_lib.theory.savers.fit_budget`` chooses: the same model, micro-batch and checkpointing (None when
+    nothing fits)."""
     cands = budget_candidates()
     out = []
-    for budget, gb in cases:
-        want = theory.savers.fit_budget(budget, cands, gb)
-        got = fn(budget, cands, gb)
+    for budget, gb, *rest in cases:
+        if rest:
+            want = theory.savers.fit_budget(budget, cands, gb, everys=rest[0])
+            got = fn(budget, cands, gb, everys=rest[0])
+            gb_text = f"{gb}, everys={rest[0]}"
+        else:
+            want = theory.savers.fit_budget(budget, cands, gb)
+            got = fn(budget, cands, gb)
+            gb_text = f"{gb}"
         if want is None:
             check_true(f"nothing fits in {budget / 1e6:g} MB: return None (got {got})", got is None)
         else:
-            check_true(f"a plan for {budget / 1e6:g} MB, global batch {gb} (got {got})", isinstance(got, dict),
+            check_true(f"a plan for {budget / 1e6:g} MB, global batch {gb_text} (got {got})", isinstance(got, dict),
                        hint="return a dict with name, micro_batch, accum_steps, every, bytes")
             for key in ("name", "micro_batch", "accum_steps", "every"):
-                check_equal(f"{key} of the plan for {budget / 1e6:g} MB, global batch {gb}", got.get(key),
+                check_equal(f"{key} of the plan for {budget / 1e6:g} MB, global batch {gb_text}", got.get(key),
                             want[key], hint="largest model first; then no checkpointing before checkpointing, "
-                                            "then the largest micro-batch that divides the global batch")
+                                            "then the largest micro-batch that divides the global batch (any "
+                                            "divisor), each checkpointing choice of everys")
             check_close(f"device bytes of the plan for {budget / 1e6:g} MB", got.get("bytes"), want["bytes"],
                         rtol=1e-6, hint="16 bytes per parameter + 4 per parameter tensor + the activation peak")
         out.append(dict(budget=budget, global_batch=gb, plan=want))
