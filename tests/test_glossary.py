@@ -17,7 +17,10 @@ def test_every_lesson_has_one_generated_glossary():
         cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
         tables = [c for c in cells if c["cell_type"] == "markdown" and glossary.HEADING in "".join(c["source"])]
         assert len(tables) == 1, f"{path.name}: {len(tables)} cells with {glossary.HEADING!r}"
-        assert len(glossary.glossary_rows("".join(tables[0]["source"]))) >= 5, path.name
+        rows = glossary.glossary_rows("".join(tables[0]["source"]))
+        assert len(rows) >= 5, path.name
+        twice = sorted({r for r in rows if rows.count(r) > 1})
+        assert not twice, f"{path.name}: glossary terms listed twice: {twice}"
     stale = glossary.sync_course(ROOT, check=True)
     assert stale == [], f"glossary tables differ from course_lib/glossary.py (run `course build`): {stale}"
 
