@@ -6,7 +6,8 @@ compare what comes back with a single-process reference. Two instruments make wr
 * `count_p2p_bytes()`: counts the bytes a rank hands to ``send``/``isend``/``batch_isend_irecv`` and
   refuses collectives (a ring all-reduce must be built from point-to-point messages);
 * `deferred_all_reduce()`: an asynchronous ``dist.all_reduce`` only reduces when its handle is waited on,
-  so a DDP that forgets ``wait()`` gets un-reduced gradients every time, not just when it loses a race.
+  so a DDP that forgets ``wait()`` gets un-reduced gradients every time, not just when it loses a race; it also
+  counts the all-reduces started after backward and the handles waited on during it (either one loses the overlap).
 """
 
 from __future__ import annotations
@@ -20,12 +21,17 @@ from course_lib import dist as cdist
 from course_lib.measure.collective_counter import COUNTED_COLLECTIVES
 from course_lib.lessons.l02_data_parallel.experiments import rank_train
 from course_lib.model import build_model
-from course_lib.parallel.ddp import make_buckets
+from course_lib.parallel.ddp import BucketedDDP, make_buckets
 
 __all__ = ["scale_vs", "count_p2p_bytes", "deferred_all_reduce", "rank_try_ring", "rank_try_ddp_class",
-           "expected_buckets"]
+           "rank_try_accumulation", "expected_buckets"]
 
 _COLLECTIVES = (*COUNTED_COLLECTIVES, "reduce", "all_to_all", "gather", "scatter")
+
+
+def _in_backward() -> bool:
+    """True while autograd's engine runs a backward pass on this thread (its hooks included)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def scale_vs(actual: dict, expected: dict) -> float:
@@ -104,10 +110,13 @@ def rank_try_ring(ring_fn, sizes, n_list=(None,)) -> list[dict]:
 
 
 class _DeferredWork:
-    def __init__(self, real_all_reduce, tensor, kwargs):
+    def __init__(self, real_all_reduce, tensor, kwargs, stats):
         self._fn, self._tensor, self._kwargs, self._done = real_all_reduce, tensor, kwargs, False
+        self._stats = stats
 
     def wait(self, *a, **k):
+        if _in_backward():
+            self._stats["waited_in_backward"] += 1
         if not self._done:
             self._fn(self._tensor, **self._kwargs)
             self._done = True
@@ -120,14 +129,17 @@ class _DeferredWork:
 @contextlib.contextmanager
 def deferred_all_reduce():
     """Make ``dist.all_reduce(..., async_op=True)`` reduce only when the handle is waited on; count the
-    asynchronous and synchronous calls. Yields a dict {'async_calls', 'sync_calls'}."""
-    stats = {"async_calls": 0, "sync_calls": 0}
+    asynchronous and synchronous calls, the asynchronous ones started outside backward (they overlap nothing)
+    and the waits during backward (a hook that waits blocks backward). Yields a dict {'async_calls',
+    'sync_calls', 'started_outside_backward', 'waited_in_backward'}."""
+    stats = {"async_calls": 0, "sync_calls": 0, "started_outside_backward": 0, "waited_in_backward": 0}
     real = dist.all_reduce
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         if async_op:
             stats["async_calls"] += 1
-            return _DeferredWork(real, tensor, {"op": op, "group": group})
+            stats["started_outside_backward"] += not _in_backward()
+            return _DeferredWork(real, tensor, {"op": op, "group": group}, stats)
         stats["sync_calls"] += 1
         return real(tensor, op=op, group=group)
 
@@ -147,9 +159,44 @@ def expected_buckets(cfg, bucket_cap_mb: float) -> int:
 
 def rank_try_ddp_class(ddp_cls, cfg, batches, bucket_cap_mb: float) -> dict:
     """Train with the learner's DDP class twice: with the real asynchronous all-reduce, and with
-    `deferred_all_reduce` (a missing wait then always shows). Returns both results and the call counts;
-    the loss all-reduce of `rank_train` (synchronous, one per step) is included in 'sync_calls'."""
+    `deferred_all_reduce` (a missing wait then always shows). Returns both results and the counts of the
+    deferred run (`deferred_all_reduce`'s); the loss all-reduce of `rank_train` (synchronous, one per step) is
+    included in 'sync_calls'."""
     real = rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=bucket_cap_mb, ddp_cls=ddp_cls)
     with deferred_all_reduce() as stats:
         deferred = rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=bucket_cap_mb, ddp_cls=ddp_cls)
     return {"real": real, "deferred": deferred, **stats}
+
+
+class _LaunchProbe(BucketedDDP):
+    """The course's BucketedDDP, counting the bucket all-reduces launched outside backward: those that
+    `finish_gradient_synchronization` starts because no synchronised backward's hooks did."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.launched_outside_backward = 0
+
+    def _launch(self, bucket) -> None:
+        self.launched_outside_backward += not _in_backward()
+        super()._launch(bucket)
+
+
+def rank_try_accumulation(accum_fn, cfg, batches, bucket_cap_mb: float, accum_steps: int) -> dict:
+    """`rank_train` with gradient accumulation by the learner's ``accum_fn(ddp, model, optimizer, micro_batches)``
+    on the course's BucketedDDP; adds 'launched_outside_backward': bucket all-reduces that no backward's hooks
+    started (the last micro-batch's backward ran inside ``no_sync`` too, so nothing overlapped it). The loss
+    ``accum_fn`` returns may be a float or a 0-d tensor, as the exercise allows."""
+    probes = []
+
+    def probed(*args, **kwargs):
+        probes.append(_LaunchProbe(*args, **kwargs))
+        return probes[-1]
+
+    def step(*args):
+        loss = accum_fn(*args)
+        return loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), device=cdist.device())
+
+    out = rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=bucket_cap_mb, accum_steps=accum_steps,
+                     accum_fn=step, ddp_cls=probed)
+    out["launched_outside_backward"] = sum(p.launched_outside_backward for p in probes)
+    return out
