@@ -119,7 +119,7 @@ def interleaved_order(p: int, v: int, m: int, rank: int) -> list[Op]:
     steady:    v m - w pairs (forward number w + k, backward number k)
     cool-down: the w backwards still owed.
     m must be a multiple of p (`validate_interleaving`). With v = 1 it is not 1F1B's order: Megatron-LM's warm-up
-    2 (p - rank - 1) is twice 1F1B's. With m = p every forward comes first, as in Megatron-LM.
+    2 (p - rank - 1) is twice 1F1B's. With m = p every forward comes first, as Megatron-LM did until November 2024.
     """
     _validate(p, m, rank)
     validate_interleaving(p, v, m)

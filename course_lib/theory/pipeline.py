@@ -79,7 +79,8 @@ def interleaved_in_flight(p: int, v: int, m: int, rank: int = 0) -> float:
     """Activations rank `rank` holds at its peak under interleaved 1F1B, in micro-batches of a whole stage.
 
     Megatron-LM's interleaved schedule runs ``2 (p - rank - 1) + (v - 1) p`` warm-up forwards of model chunks (all
-    ``v m`` of them when m = p), then one more forward before its first backward; a chunk holds 1/v of the stage's
+    ``v m`` of them when m = p, as Megatron-LM did until November 2024; today it caps the warm-up at v m), then one
+    more forward before its first backward; a chunk holds 1/v of the stage's
     layers, so the peak is ``min(2 (p - rank - 1) + (v - 1) p + 1, v m) / v`` stage micro-batches. On the first rank
     that is ``p + (p - 1) / v`` (Korthikanti et al. 2022, section 4.2: "p (1 + (p - 1) / (p v))"), more than 1F1B's p.
     """
