@@ -92,7 +92,7 @@ def attacks(paths: dict[str, str], port: int, host_ip: str) -> dict[str, str]:
         "net_external": connect.format(host_ip, port),
         "memory": "blocks = [bytearray(64 << 20) for _ in range(10_000)]",
         "fork_bomb": "import os\nwhile True:\n    os.fork()",
-        "patch_course_lib": ("import course_lib.runtime.launch\ncourse_lib.launch.run = None  # in memory: this kernel only\n"
+        "patch_course_lib": ("import course_lib.runtime.launch\ncourse_lib.runtime.launch.run = None  # in memory: this kernel only\n"
                              f"with open({str(PATCHED)!r}, 'a') as f:\n"
                              "    f.write('\\nnew_tag = lambda prefix=\"run\": \"patched\"\\n')"),
         "plant_pth": (f"from pathlib import Path\n"
