@@ -142,3 +142,25 @@ def test_flops_conventions_table():
     text = bottleneck_report.flops_conventions_table(rows)
     assert "torchtitan before #3225" in text and "tiny (MFLOP)" in text and "llama3-405b (GFLOP)" in text
     assert "  0.79 ( +0.0%)" in text and "-0.0%" not in text
+
+
+def test_palm_table_22_counts_every_parameter():
+    """Lesson 01 section 1.5: PaLM's N is every parameter. Its table 22 (as transcribed) gives 3.28 TFLOP per token for
+    the 540B model (540.35B parameters, L 118, H 48, Q 256, T 2048): 6N + 12LHQT with N every parameter rounds to
+    it; without the 256K x 18,432 input table (tied to the head) it would be 3.25."""
+    attention = 12 * 118 * 48 * 256 * 2048
+    assert round((6 * 540.35e9 + attention) / 1e12, 2) == 3.28
+    assert round((6 * (540.35e9 - 256_000 * 18_432) + attention) / 1e12, 2) == 3.25
+
+
+def test_quiz_mfu_of_another_convention():
+    """Lesson 01's graded quiz q5: a run reported at 30 % MFU with the causal half over the sparse peak (2 x dense)
+    is 0.30 x 2 x full / causal by the course's convention; the wrong readings (only the peak, only the causal
+    half) land outside the check's 1 % band."""
+    from course_lib.config import get_preset
+    llama = get_preset("llama3-405b")
+    full, causal = flops.flops_per_token(llama), flops.flops_per_token(llama, causal=True)
+    right = 30 * 2 * full / causal
+    assert right == pytest.approx(62.41, abs=0.01)
+    for wrong in (30 * 2, 30 * full / causal, 30 * 2 * causal / full):
+        assert abs(wrong / right - 1) > 0.03

@@ -108,8 +108,8 @@ def check_stage_memory(params_per_gpu: Callable, state_bytes_per_gpu: Callable, 
         got_b = state_bytes_per_gpu(cfg, dp, tp, pp, zero, grad_bytes=grad_bytes)
         check_close(f"state_bytes_per_gpu({cfg.name}, dp={dp}, tp={tp}, pp={pp}, zero={zero}, "
                     f"grad_bytes={grad_bytes})", got_b, want_b, rtol=1e-6, atol=18 * tp,
-                    hint="bf16 parameters, grad_bytes-byte gradients, 12 bytes of fp32 optimizer state; which of "
-                         "them ZeRO stage `zero` shards over dp (lesson 05's table)")
+                    hint="lesson 05, section 1 (the ZeRO table), with this exercise's bytes per parameter; which "
+                         "part each stage shards")
         if grad_bytes == 4:
             check_close(f"state_bytes_per_gpu({cfg.name}, dp={dp}, tp={tp}, pp={pp}, zero={zero}) without "
                         f"grad_bytes: fp32 gradients by default", state_bytes_per_gpu(cfg, dp, tp, pp, zero), want_b,
@@ -123,7 +123,7 @@ def check_stage_memory(params_per_gpu: Callable, state_bytes_per_gpu: Callable, 
             shard_bytes = r["local_state_bytes"]            # (2 + 4 + 12) x the parameters FSDP2 left here
             check_close(f"ZeRO-3 state bytes per GPU of {r['model']} on {r['world']} fake ranks (tp={r['tp']}, "
                         f"pp={r['pp']}, fp32 gradients) against FSDP2's real shards", got_b, shard_bytes, rtol=0.02,
-                        hint="the shards FSDP2 and DTensor create: 2 + 4 + 12 bytes per local parameter")
+                        hint="lesson 08, section 4: the shards FSDP2 and DTensor create, and ZeRO-3's row of lesson 05")
             rows.append(dict(model=r["model"], dp=r["dp"], tp=r["tp"], pp=r["pp"], zero=3, grad_bytes=4,
                              params=None, bytes=got_b, shard_bytes=shard_bytes))
     return rows
@@ -137,15 +137,14 @@ TIME_CASES = (  # (preset, GPU, nodes, GPUs per node, inter-node GB/s per GPU, g
     ("gpt2-1.5b", "A100 40GB", 2, 8, 25.0, 512, 16, 1, 1, 0, 8),
     ("llama3-405b", "H100", 16, 8, None, 64, 1, 8, 16, 1, 1))
 TIME_HINTS = {
-    "compute": "model FLOPs of the step (theory.flops.step_flops) / (all GPUs x peak bf16 FLOP/s x kernel_efficiency)",
-    "bubble": "1F1B idles (pp - 1) / m of the compute; m = micro-batches per DP rank",
-    "tp": "ceil(L / pp) layers x m micro-batches x 4 all-reduces of a (b, s, h) bf16 activation over tp, on "
-          "planner.link(cluster, gpu, 1, tp)",
-    "pp": "m micro-batches x 2 messages (forward, backward) of b s h x 2 / tp bytes, each alpha + bytes / bandwidth, "
-          "on planner.link(cluster, gpu, tp * dp, pp); 0 without a pipeline",
-    "dp": "ZeRO-0: one all-reduce of the stage's fp32 gradients (4 bytes x planner.stage_params); ZeRO-1/2: a "
-          "reduce-scatter of them and an all-gather of the bf16 parameters (2 bytes each); over dp, on "
-          "planner.link(cluster, gpu, tp, dp)",
+    "compute": "this exercise's text, the compute item (lesson 01, section 1.1: the model FLOPs of a step)",
+    "bubble": "lesson 03, section 5 (the bubble) and lesson 08, section 3: count the micro-batches per DP rank first",
+    "tp": "lesson 04, section 2 (the all-reduces of a TP layer) and this exercise's text: which link, how many, of "
+          "what size",
+    "pp": "lesson 08, section 2.1 (what each dimension sends) and this exercise's text: which link, and what "
+          "sequence parallelism splits; none without a pipeline",
+    "dp": "lesson 05, section 3 (ZeRO's collectives against an all-reduce) and this exercise's text: which link, "
+          "which gradients' dtype",
 }
 
 
@@ -208,11 +207,9 @@ def check_choose_layout(choose_layout: Callable) -> list:
                        hint="return the chosen Estimate itself")
             check_true(f"{what}: the chosen layout fits ({got.memory['total'] / GiB:.1f} GiB, feasible: "
                        f"{got.feasible})", got.feasible and got.memory["total"] <= budget * GiB,
-                       hint="keep only feasible rows whose memory['total'] is at most the budget in GiB (2**30 "
-                            "bytes)")
+                       hint="step 1 of this exercise's text: feasible, and within the budget in GiB (planner.GiB)")
             check_equal(f"{what}: the layout", got.layout.label(), want.layout.label(),
-                        hint="within the slack of the fastest that fits, fewest pp, then smallest tp, then least "
-                             "memory")
+                        hint="steps 2 and 3 of this exercise's text, the preferences in their order")
         out.append(dict(case=what, layout=None if want is None else want.layout.label(),
                         step_s=None if want is None else want.time["total"],
                         gib=None if want is None else want.memory["total"] / GiB))
