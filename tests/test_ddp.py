@@ -340,3 +340,24 @@ def test_bucketed_ddp_on_four_and_three_ranks(four_ranks):
         _assert_matches_reference(out["ddp4"], ref8, f"bucketed DDP on 4 ranks, rank {rank}")
         if rank < 3:
             _assert_matches_reference(out["ddp3"], ref6, f"bucketed DDP on a 3-rank group, rank {rank}")
+
+
+def test_tracking_backward_sees_hooks_inside_backward_only():
+    """Lesson 02's bucketed-DDP check tells 'inside backward' from public API only (a wrapped
+    torch.autograd.backward): a gradient hook sees True, code before and after backward sees False, and both
+    loss.backward() and torch.autograd.backward(loss) are seen; the wrapper goes away with the context."""
+    from course_lib.lessons.l02_data_parallel import checks as ddp_checks
+
+    real = torch.autograd.backward
+    seen = []
+    w = torch.nn.Parameter(torch.ones(3))
+    w.register_post_accumulate_grad_hook(lambda p: seen.append(ddp_checks._in_backward()))
+    with ddp_checks.tracking_backward():
+        assert not ddp_checks._in_backward()
+        (w * 2).sum().backward()
+        torch.autograd.backward((w * 3).sum())
+        assert not ddp_checks._in_backward()
+    assert seen == [True, True]
+    assert torch.autograd.backward is real
+    (w * 2).sum().backward()
+    assert seen == [True, True, False]          # outside the context nothing is tracked

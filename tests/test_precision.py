@@ -283,3 +283,21 @@ def test_deepspeed_bf16_trains_like_fp32(two_ranks):
         assert all(math.isfinite(v) for v in ds["ds2-fp16"]["losses"])
     else:
         assert "fp16" in ds["ds2-fp16"]["error"]
+
+
+def test_gradscaler_step_return_does_not_say_whether_it_stepped():
+    """Exercise 06-master-weights' item 4 (torch 2.14.1): GradScaler.step returns the optimizer step's return value,
+    None for AdamW and SGD without a closure, and None when it skips; so the exercise's answer must find out
+    whether the step ran another way, and the check runs it through GradScaler too."""
+    for opt_cls in (torch.optim.AdamW, torch.optim.SGD):
+        w = torch.nn.Parameter(torch.ones(3))
+        opt = opt_cls([w], lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        got = []
+        for g in (1.0, float("inf")):
+            scaler.scale(torch.ones(()))
+            w.grad = torch.full((3,), g)
+            before = w.detach().clone()
+            got.append((scaler.step(opt), not torch.equal(before, w.detach())))
+            scaler.update()
+        assert got == [(None, True), (None, False)], opt_cls.__name__

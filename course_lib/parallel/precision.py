@@ -151,14 +151,21 @@ def master_step(model_params: list[torch.Tensor], master_params: list[torch.Tens
 
     master.grad = model.grad in fp32; step the masters (through `scaler.step`, which unscales and may skip, or
     `optimizer.step()`); copy every master back into its model parameter (rounded to low precision); clear
-    both gradients. Returns whether the optimizer stepped."""
+    both gradients. Returns whether the optimizer stepped: a step post-hook says it, since
+    `torch.amp.GradScaler.step` returns `optimizer.step()`'s value (None without a closure) or None when it skips
+    (torch 2.14.1, `_maybe_opt_step`). Fused optimizers, which skip inside their kernel, are not covered."""
     for p, m in zip(model_params, master_params):
         m.grad = None if p.grad is None else p.grad.float()
-    stepped = scaler.step(optimizer) if scaler is not None else (optimizer.step() or True)
+    ran = []
+    hook = optimizer.register_step_post_hook(lambda opt, args, kwargs: ran.append(True))
+    try:
+        scaler.step(optimizer) if scaler is not None else optimizer.step()
+    finally:
+        hook.remove()
     for p, m in zip(model_params, master_params):
         p.copy_(m)                                       # fp32 -> bf16/fp16: round to nearest
         p.grad = m.grad = None
-    return bool(stepped)
+    return bool(ran)
 
 
 @reference_for("06-master-weights")

@@ -23,15 +23,41 @@ from course_lib.lessons.l02_data_parallel.experiments import rank_train
 from course_lib.model import build_model
 from course_lib.parallel.ddp import BucketedDDP, make_buckets
 
-__all__ = ["scale_vs", "count_p2p_bytes", "deferred_all_reduce", "rank_try_ring", "rank_try_ddp_class",
-           "rank_try_accumulation", "expected_buckets"]
+__all__ = ["scale_vs", "count_p2p_bytes", "deferred_all_reduce", "tracking_backward", "rank_try_ring",
+           "rank_try_ddp_class", "rank_try_accumulation", "expected_buckets"]
 
 _COLLECTIVES = (*COUNTED_COLLECTIVES, "reduce", "all_to_all", "gather", "scatter")
 
 
+_BACKWARDS_RUNNING = [0]      # backward passes started through torch.autograd.backward and not yet returned
+
+
 def _in_backward() -> bool:
-    """True while autograd's engine runs a backward pass on this thread (its hooks included)."""
-    return torch._C._current_graph_task_id() != -1
+    """True while a backward pass started under `tracking_backward` runs (its gradient hooks included, on any
+    thread autograd runs them on)."""
+    return _BACKWARDS_RUNNING[0] > 0
+
+
+@contextlib.contextmanager
+def tracking_backward():
+    """Make `_in_backward` see every backward pass: ``torch.autograd.backward`` is wrapped so that a counter is
+    up from its call to its return. ``Tensor.backward`` calls it by that name (torch 2.14.1, _tensor.py:
+    ``torch.autograd.backward(``), so ``loss.backward()`` is seen too; nothing private of autograd's engine is
+    read."""
+    real = torch.autograd.backward
+
+    def backward(*args, **kwargs):
+        _BACKWARDS_RUNNING[0] += 1
+        try:
+            return real(*args, **kwargs)
+        finally:
+            _BACKWARDS_RUNNING[0] -= 1
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = real
 
 
 def scale_vs(actual: dict, expected: dict) -> float:
@@ -145,7 +171,8 @@ def deferred_all_reduce():
 
     dist.all_reduce = all_reduce
     try:
-        yield stats
+        with tracking_backward():
+            yield stats
     finally:
         dist.all_reduce = real
 
@@ -196,7 +223,8 @@ def rank_try_accumulation(accum_fn, cfg, batches, bucket_cap_mb: float, accum_st
         loss = accum_fn(*args)
         return loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), device=cdist.device())
 
-    out = rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=bucket_cap_mb, accum_steps=accum_steps,
-                     accum_fn=step, ddp_cls=probed)
+    with tracking_backward():
+        out = rank_train(cfg, batches, mode="bucketed", bucket_cap_mb=bucket_cap_mb, accum_steps=accum_steps,
+                         accum_fn=step, ddp_cls=probed)
     out["launched_outside_backward"] = sum(p.launched_outside_backward for p in probes)
     return out

@@ -4,6 +4,11 @@ The exercises work on one flat vector: every parameter flattened and concatenate
 elements, so that rank r owns elements [r*S, (r+1)*S) (its shard). `FlatZero` is the given machinery around
 the learner's functions; the ``rank_try_*`` functions run inside `course_lib.runtime.launch.run` and return plain
 numbers for the test cells to compare.
+
+A learner's exception must read as one line, not as a rank's traceback: each test cell's rank function runs its
+parts through `guarded` (the first part that raises is recorded: which part, the exception's type and message, and
+the training step when there is one), and the cell launches through `launch`, which turns that record, or a run
+that failed or hung, into one `CheckFailed` naming the rank.
 """
 
 from __future__ import annotations
@@ -16,13 +21,73 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib import dist as cdist
+from course_lib.grading.check import CheckFailed
 from course_lib.measure.collective_counter import CollectiveCounter
 from course_lib.data import shard_batch
 from course_lib.dist import global_mean
 from course_lib.model import build_model
 from course_lib.one_process import params_of
 
-__all__ = ["FlatZero", "rank_try_flat_zero", "rank_try_reduce_scatter", "rank_try_layer_gather"]
+__all__ = ["FlatZero", "rank_try_flat_zero", "rank_try_reduce_scatter", "rank_try_layer_gather", "guarded",
+           "launch"]
+
+_STUB_HINT = "the message says which rank and which part failed; NotImplementedError means the exercise is still a stub"
+
+
+class StepError(Exception):
+    """A learner's exception inside a training loop, with the step it happened in."""
+
+    def __init__(self, where: str, exc: BaseException):
+        super().__init__(where)
+        self.where, self.exc = where, exc
+
+
+def _one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return " ".join(text.split())[:300]
+
+
+def guarded(parts: dict) -> dict:
+    """On a rank: call each ``parts[name]()`` in order and keep its result under ``name``. The first one that
+    raises stops the rest (their collectives would no longer pair up) and is recorded in 'error' as
+    {'rank', 'part', 'message'}; 'error' is None when every part ran."""
+    out = {"error": None}
+    for name, call in parts.items():
+        try:
+            out[name] = call()
+        except StepError as exc:
+            out["error"] = {"rank": dist.get_rank(), "part": f"{name}, {exc.where}", "message": _one_line(exc.exc)}
+            break
+        except Exception as exc:  # noqa: BLE001 - a learner's error becomes a failed check, not a traceback
+            out["error"] = {"rank": dist.get_rank(), "part": name, "message": _one_line(exc)}
+            break
+    return out
+
+
+def _raise_first_error(returns, exercise: str) -> None:
+    for ret in returns:
+        err = ret.get("error") if isinstance(ret, dict) else None
+        if err:
+            raise CheckFailed(f"{exercise}: your code runs on every rank",
+                              f"rank {err['rank']} raised in {err['part']}: {err['message']}", _STUB_HINT)
+
+
+def launch(rank_fn: Callable, exercise: str, args=(), nprocs: int = 4, timeout_s: float = 150) -> list[dict]:
+    """In the kernel: ``run(rank_fn, nprocs, args)`` on gloo; every rank's result (a `guarded` dict). A part that
+    raised on a rank, a rank that failed outside `guarded`, or a run that timed out (a rank left waiting in a
+    collective that another rank never called) raises one `CheckFailed` line."""
+    from course_lib.runtime.launch import DistributedRunError, RunTimeout, run
+    try:
+        res = run(rank_fn, nprocs=nprocs, args=args, backend="gloo", timeout_s=timeout_s, stream=False)
+    except DistributedRunError as exc:
+        partial = getattr(getattr(exc, "partial", None), "returns", None) or []
+        _raise_first_error([r for r in partial if r is not None], exercise)
+        last = [line for line in str(exc).splitlines() if line.strip()][-1:] or [type(exc).__name__]
+        what = (f"the ranks did not finish within {timeout_s:g} s (a rank waiting in a collective the others never "
+                f"called?)" if isinstance(exc, RunTimeout) else f"rank {exc.rank} failed: {last[0]}")
+        raise CheckFailed(f"{exercise}: your code runs on every rank", what, _STUB_HINT) from None
+    _raise_first_error(res.returns, exercise)
+    return res.returns
 
 
 class FlatZero:
@@ -82,11 +147,14 @@ def rank_try_flat_zero(cfg, batches, optimizer: str = "adamw", lr: float = 1e-2,
     opt_cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
     zero = FlatZero(model, opt_cls, lr=lr, **fns)
     losses, counter = [], CollectiveCounter()
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
         loss = model.loss(shard_batch(x, r, n).to(dev), shard_batch(y, r, n).to(dev))
         loss.backward()
-        with counter:                                                  # the collectives of the step only
-            zero.step()
+        try:
+            with counter:                                              # the collectives of the step only
+                zero.step()
+        except Exception as exc:  # noqa: BLE001 - `guarded` reports it with the step
+            raise StepError(f"training step {i + 1} of {len(batches)}", exc) from exc
         losses.append(global_mean(loss))
     ops = sorted({op for _, op, _, _ in counter.records})
     return {"losses": losses, "params": params_of(model), "optimizer_numel": zero.optimizer_numel(),
@@ -94,7 +162,8 @@ def rank_try_flat_zero(cfg, batches, optimizer: str = "adamw", lr: float = 1e-2,
 
 
 def rank_try_reduce_scatter(fn: Callable, sizes=(2, 6, 10)) -> list[dict]:
-    """fn(flat (N*S,), group) -> (S,): the mean over ranks of chunk `rank`. Rank r contributes (r+1) x arange."""
+    """fn(flat (N*S,), group) -> (S,): the mean over ranks of chunk `rank`. Rank r contributes (r+1) x arange.
+    'scale': c when the result is c x the expected chunk (None when it is not a multiple of it)."""
     r, n = dist.get_rank(), dist.get_world_size()
     out = []
     for S in sizes:
@@ -102,9 +171,11 @@ def rank_try_reduce_scatter(fn: Callable, sizes=(2, 6, 10)) -> list[dict]:
         flat = base * (r + 1)
         got = fn(flat, None)
         expected = base[r * S:(r + 1) * S] * (n + 1) / 2            # mean of 1..n = (n+1)/2
-        out.append({"S": S, "shape": tuple(got.shape), "ok": got.shape == expected.shape and
-                    torch.allclose(got, expected), "sum_instead_of_mean": got.shape == expected.shape and
-                    torch.allclose(got, expected * n)})
+        same = got.shape == expected.shape
+        scale = float(got.double() @ expected.double() / (expected.double() @ expected.double())) if same else None
+        out.append({"S": S, "shape": tuple(got.shape), "ok": same and torch.allclose(got, expected),
+                    "sum_instead_of_mean": same and torch.allclose(got, expected * n),
+                    "scale": scale if same and torch.allclose(got, expected * scale) else None})
     return out
 
 

@@ -80,7 +80,9 @@ def master_step_vs_reference(step_fn, steps: int = 5, seed: int = 0) -> dict:
     'tiny_update': one bf16 weight 1.0, SGD lr 1e-3, gradient 1, 10 steps: the master must reach 0.99 and the model
     weight bf16(0.99) (bf16 alone would stay at 1.0: its spacing at 1 is 2^-7). 'bf16': a bf16 GPT trained `steps`
     steps with AdamW, masters and weights vs the reference. 'fp16': an fp16 GPT with GradScaler and an inf
-    injected at step 1 (that step must leave masters and weights unchanged)."""
+    injected at step 1 (that step must leave masters and weights unchanged); each model's 'returned' holds what
+    ``step_fn`` returned at each step, to compare with 'stepped' (whether its masters changed). 'returned': what
+    ``step_fn`` returned through each scaler (`_returns`)."""
     out = {}
     w = torch.nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
     m = w.detach().float().clone().requires_grad_(True)
@@ -92,7 +94,7 @@ def master_step_vs_reference(step_fn, steps: int = 5, seed: int = 0) -> dict:
     try:
         out["returned"] = _returns(step_fn)
     except Exception as e:  # noqa: BLE001 - reported by the check, not raised
-        out["returned"] = f"{type(e).__name__}: {e}"[:120]
+        out["returned"] = {k: f"{type(e).__name__}: {e}"[:120] for k in ("DynamicLossScaler", "GradScaler")}
     cfg = small_config()
     batches = random_batches(cfg, 4, steps, seed)
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
@@ -105,26 +107,34 @@ def master_step_vs_reference(step_fn, steps: int = 5, seed: int = 0) -> dict:
         out[name] = {"error": None, "master_error": max_abs_error(own["masters"], ref["masters"]),
                      "param_error": max_abs_error(own["params"], ref["params"]), "stepped": own["stepped"],
                      "ref_stepped": ref["stepped"], "grads_left": own["grads_left"], "copied_back": own["copied_back"],
-                     "master_grads_left": own["master_grads_left"]}
+                     "master_grads_left": own["master_grads_left"], "returned": own["returned"]}
     return out
 
 
-def _returns(step_fn) -> list:
-    """What ``step_fn`` returns for an fp16 weight: 3 steps through a scaler whose ``step`` says whether it stepped
-    (the course's, GradScaler's decisions) with an inf in the second step's gradient, then one step without a
-    scaler. The rule: [True, False, True, True]."""
-    w = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
-    m = w.detach().float().clone().requires_grad_(True)
-    opt = torch.optim.SGD([m], lr=1e-3)
-    scaler = DynamicLossScaler(**SCALER_KW)
-    got = []
-    for g in (1.0, float("inf"), 1.0):
-        w.grad = torch.full_like(w, g)
-        got.append(step_fn([w], [m], opt, scaler))
-        scaler.update()
-    w.grad = torch.ones_like(w)
-    got.append(step_fn([w], [m], opt, None))
-    return [r if r is None else bool(r) for r in got]
+def _returns(step_fn) -> dict:
+    """What ``step_fn`` returns for an fp16 weight: 3 steps through a scaler with an inf in the second step's
+    gradient, then one step without a scaler; the rule: [True, False, True, True]. Two scalers: the course's
+    `DynamicLossScaler`, whose ``step`` returns whether it stepped, and ``torch.amp.GradScaler``, whose ``step``
+    returns what ``optimizer.step()`` returned, or None when it skipped (torch 2.14.1, grad_scaler.py
+    ``_maybe_opt_step``: ``retval: float | None = None`` ... ``retval = optimizer.step(*args, **kwargs)``); SGD's
+    ``step()`` without a closure returns None, so its return value cannot tell."""
+    out = {}
+    for name, make in (("DynamicLossScaler", lambda: DynamicLossScaler(**SCALER_KW)),
+                       ("GradScaler", lambda: torch.amp.GradScaler("cpu", **SCALER_KW))):
+        w = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+        m = w.detach().float().clone().requires_grad_(True)
+        opt = torch.optim.SGD([m], lr=1e-3)
+        scaler = make()
+        got = []
+        for g in (1.0, float("inf"), 1.0):
+            scaler.scale(torch.ones(()))                # GradScaler needs its scale made in the iteration
+            w.grad = torch.full_like(w, g)
+            got.append(step_fn([w], [m], opt, scaler))
+            scaler.update()
+        w.grad = torch.ones_like(w)
+        got.append(step_fn([w], [m], opt, None))
+        out[name] = [r if r is None else bool(r) for r in got]
+    return out
 
 
 def _train_master(fn, cfg, batches, dtype, seed) -> dict:
@@ -133,19 +143,20 @@ def _train_master(fn, cfg, batches, dtype, seed) -> dict:
     model = build_model(cfg, seed).to(dtype)
     mp = MasterWeightOptimizer(model, torch.optim.AdamW, step_fn=fn, lr=1e-2)
     scaler = torch.amp.GradScaler("cpu", **SCALER_KW) if dtype == torch.float16 else None
-    stepped = []
+    stepped, returned = [], []
     for i, (x, y) in enumerate(batches):
         loss = model.loss(x, y)
         (scaler.scale(loss) if scaler else loss).backward()
         if scaler and i == 1:
             inject_overflow(mp.params, "inf", i)
         before = [q.detach().clone() for q in mp.masters]
-        mp.step(scaler)
+        r = mp.step(scaler)
+        returned.append(r if r is None else bool(r))
         stepped.append(not all(torch.equal(b, q) for b, q in zip(before, mp.masters)))
         if scaler:
             scaler.update()
     return {"masters": [q.detach().clone() for q in mp.masters],
-            "params": [p.detach().float().clone() for p in mp.params], "stepped": stepped,
+            "params": [p.detach().float().clone() for p in mp.params], "stepped": stepped, "returned": returned,
             "grads_left": sum(p.grad is not None for p in mp.params),
             "master_grads_left": sum(q.grad is not None for q in mp.masters),
             "copied_back": all(torch.equal(p.detach(), q.detach().to(dtype)) for p, q in zip(mp.params, mp.masters))}

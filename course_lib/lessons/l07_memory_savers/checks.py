@@ -62,6 +62,15 @@ ESTIMATOR_CASES = (  # (config overrides, batch, seq_len, every, attention)
 )
 
 
+# one per rule of the exercise text: the hint points at the rule the failing case uses, without its formula
+_ESTIMATOR_HINTS = {
+    "checkpointed": "the exercise text's checkpointing rule: what each segment keeps, and how many segments L blocks "
+                    "make when k does not divide L; the loss's part is still there",
+    "naive": "the exercise text's naive-attention rule: what the block keeps instead of the log-sum-exps",
+    "sdpa": "the exercise text's per-block rule (elements and fp32 statistics, in bytes), plus the loss's part",
+}
+
+
 def check_activation_estimator(fn: Callable, cases=ESTIMATOR_CASES) -> list[dict]:
     """``fn(cfg, batch_size, seq_len, every, attention)`` must be within 10% of the activation bytes measured
     after the forward of ``GPT(cfg).loss`` (``LiveActivations``), for checkpointing every k and naive attention."""
@@ -77,8 +86,8 @@ def check_activation_estimator(fn: Callable, cases=ESTIMATOR_CASES) -> list[dict
         got = fn(cfg, batch, T, every, attention)
         check_close(f"bytes for L={cfg.n_layer}, B={batch}, T={T}, every={every}, {attention} attention "
                     f"(measured)", got, measured, rtol=0.10,
-                    hint="per block 8C + 2F elements + 4 + H fp32 values per token (naive: H x T instead of H); "
-                         "checkpointed: one (B, T, C) input per segment; plus the loss's part")
+                    hint=_ESTIMATOR_HINTS["checkpointed" if every is not None else
+                                          "naive" if attention == "naive" else "sdpa"])
         out.append(dict(cfg=cfg, batch=batch, T=T, every=every, attention=attention, measured=measured, got=got))
     return out
 
@@ -121,10 +130,9 @@ def check_budget_fitter(fn: Callable, cases=BUDGET_CASES) -> list[dict]:
                        hint="return a dict with name, micro_batch, accum_steps, every, bytes")
             for key in ("name", "micro_batch", "accum_steps", "every"):
                 check_equal(f"{key} of the plan for {budget / 1e6:g} MB, global batch {gb_text}", got.get(key),
-                            want[key], hint="largest model first; then no checkpointing before checkpointing, "
-                                            "then the largest micro-batch that divides the global batch (any "
-                                            "divisor), each checkpointing choice of everys")
+                            want[key], hint="rules 1 and 2 of the exercise, in their order: every micro-batch that "
+                                            "divides the global batch, with each checkpointing choice of everys")
             check_close(f"device bytes of the plan for {budget / 1e6:g} MB", got.get("bytes"), want["bytes"],
-                        rtol=1e-6, hint="16 bytes per parameter + 4 per parameter tensor + the activation peak")
+                        rtol=1e-6, hint="the bytes the exercise's pricing function gives for the plan you chose")
         out.append(dict(budget=budget, global_batch=gb, plan=want))
     return out
