@@ -319,3 +319,24 @@ def _least_memory_plan(budget, cands, gb):
 def test_budget_check_rejects_wrong_fitters(fn):
     with pytest.raises(CheckFailed):
         savers_checks.check_budget_fitter(fn)
+
+
+def test_model_activation_bytes_counts_swiglu_as_the_planner_does():
+    """llama-7b (SwiGLU, F = 11,008) at 4,096 tokens, bf16, batch 1: a hand count per token, the course's GPT block
+    (ln1 in/out, qkv 3C, attention output C, ln2 in/out: 8C) + SwiGLU's four (T, F) tensors (gate output, SiLU
+    output, up output, their product: 4F; Korthikanti et al. 2022's GELU MLP keeps two, its input and output) in 2
+    bytes, + fp32 LayerNorm statistics (4) and log-sum-exp (H): 153,744 bytes per token, 629,735,424 per layer
+    (449,380,352 with a GELU MLP of the same width, the count before the fix)."""
+    cfg = PRESETS["llama-7b"]
+    C, F, H, T = cfg.d_model, cfg.d_ff, cfg.n_head, 4096
+    hand = T * ((8 * C + 4 * F) * 2 + (4 + H) * 4)
+    got = theory.savers.model_activation_bytes(cfg, 1, T, dtype=torch.bfloat16)
+    assert got["per_layer"] == hand == 629_735_424
+    gelu = theory.savers.model_activation_bytes(cfg.replace(mlp="gelu"), 1, T, dtype=torch.bfloat16)
+    assert gelu["per_layer"] == T * ((8 * C + 2 * F) * 2 + (4 + H) * 4) == 449_380_352
+    # the MLP's share equals the planner's (lesson 08), which counts 16-bit bytes: 8 s b F for SwiGLU, 4 s b F GELU
+    from course_lib.theory.planner import layer_activation_bytes as planner
+    assert got["per_layer"] - gelu["per_layer"] == planner(cfg, 1, T)["mlp"] - planner(cfg.replace(mlp="gelu"), 1, T)["mlp"]
+    assert got["total"] == got["layers"] + got["other"] and got["layers"] == cfg.n_layer * got["per_layer"]
+    naive = theory.savers.model_activation_bytes(cfg, 1, T, dtype=torch.bfloat16, attention="naive")
+    assert naive["per_layer"] - got["per_layer"] == H * T * (T * 2 - 4)

@@ -62,3 +62,29 @@ def test_masks_follow_the_learners_own_split():
     """Rows and columns in the order balanced_chunks returns: masks written for [r, 2cp-1-r] do not fit the reverse."""
     with pytest.raises(CheckFailed, match=r"step_masks\(cp=1, rank=0, step=0\) \(rows: my chunks \[1, 0\]"):
         checks.check_balanced_split(VALID["mirror first"], masks_for(VALID["front and mirror"]))
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_ring_step_work_sums_to_the_work_per_rank_and_its_critical_path(cp):
+    """Per step and rank (`ring_step_work`): summed over the steps, the course's whole-diagonal count; the per-step
+    critical path (sum of each step's slowest rank) is the contiguous split's last rank, 4cp/(2cp+1) times the
+    balanced split's with whole diagonals and 2 - 1/cp with a causal flash kernel's half diagonals, while the busiest
+    over the least busy rank is cp and 2cp - 1."""
+    from course_lib.theory import context
+    s = 2 * cp * 16
+    for split in ("contiguous", "balanced"):
+        steps = context.ring_step_work(s, cp, split)
+        assert [sum(col) for col in zip(*steps)] == context.causal_work_per_rank(s, cp, split)
+    path = {(sp, d): context.ring_critical_path(s, cp, sp, d) for sp in ("contiguous", "balanced")
+            for d in ("whole", "half")}
+    assert path["contiguous", "whole"] / path["balanced", "whole"] == pytest.approx(4 * cp / (2 * cp + 1))
+    assert path["contiguous", "half"] / path["balanced", "half"] == pytest.approx(2 - 1 / cp)
+    half = [sum(col) for col in zip(*context.ring_step_work(s, cp, "contiguous", "half"))]
+    assert max(half) / min(half) == 2 * cp - 1 and max(half) == path["contiguous", "half"]
+    assert path["balanced", "half"] == s * s / 2 / cp                  # half the s x s scores, split evenly
+
+
+def test_ring_hiding_tokens():
+    from course_lib.theory import context
+    assert context.ring_hiding_tokens(312e12, 300e9) == pytest.approx(1040)       # bf16, b F / (2 BW)
+    assert context.ring_hiding_tokens(312e12, 300e9, kv_fraction=0.25) == pytest.approx(260)

@@ -50,7 +50,8 @@ EXPECTED = {
            "q4": 2.40 + 6 * 0.05,                                    # the z-score's threshold: mean + z std
            "q5": (2 * 100 + 3 * 300 + 2 * 200 + 3 * 400) / 1000 - (2 + 3 + 2 + 3) / 4},   # tokens vs micro-batches
     "10": {"q1": theory.context.layer_comm("ring", 1, 131072, 4096, 8, 2)[("forward", "send")]["bytes"] / 1e9,
-           "q2": theory.context.work_imbalance(4096, 4, "contiguous"), "q3": 8},        # 8 K/V heads of Llama-3-8B
+           "q2": theory.context.ring_critical_path(4096, 8, "contiguous", "half")
+           / theory.context.ring_critical_path(4096, 8, "balanced", "half"), "q3": 8},   # 8 K/V heads of Llama-3-8B
     "11": {"q1": theory.experts.uniform_layer_comm(4096, 8, 7168, 8, dtype_bytes=2)["payload"] / 1e6,
            "q2": 200 - moe.capacity_of(1.25, 2048, 1, 16),
            "q3": 100 * (lambda p: p["active"] / p["total"])(theory.experts.moe_params(mixtral_config(), 8, 1))},

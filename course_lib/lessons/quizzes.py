@@ -71,7 +71,8 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
     },
     "10": {
         "q1": ("3a260455ceb6fe058b23ad8a", 0.01, "section 4: the ring's forward sends, cp - 1 K/V chunks of 2 B (s/cp) C b"),
-        "q2": ("efed06a0f8085e6e19823b54", None, "section 3: the contiguous split's work per rank, last over first"),
+        "q2": ("922458c31577bd43acd66d0d", 0.001, "section 3: each step lasts as long as its slowest rank; the causal "
+               "flash kernel's convention"),
         "q3": ("423687081bf0b29c94348f45", None, "section 4: Ulysses gives each rank whole heads, K/V heads included"),
     },
     "11": {

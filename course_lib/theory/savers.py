@@ -30,6 +30,7 @@ import math
 import torch
 
 from course_lib.config import ModelConfig
+from course_lib.theory.planner import layer_activation_bytes
 from course_lib.theory.memory import (activation_bytes, dtype_bytes, num_param_tensors, per_rank_bytes,
                                       training_memory_bytes)
 from course_lib.reference import reference_for
@@ -61,17 +62,31 @@ def attention_saved_bytes(batch: int, n_head: int, seq_len: int, head_dim: int, 
 def model_activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int | None = None, dtype=torch.float32,
                            attention: str = "sdpa") -> dict:
     """:func:`course_lib.theory.memory.activation_bytes` for SDPA, or for naive attention: each layer keeps the
-    softmax output (B, H, T, T) instead of SDPA's log-sum-exp (B, H, T, fp32). Same keys."""
+    softmax output (B, H, T, T) instead of SDPA's log-sum-exp (B, H, T, fp32). Same keys.
+
+    The MLP is the one ``cfg.mlp`` names, counted as lesson 08's planner counts it
+    (`course_lib.theory.planner.layer_activation_bytes`, ``mlp``): GELU keeps 2 (B, T, F) tensors, the course's
+    GPT's; SwiGLU (Llama) keeps 4 (gate output, SiLU output, up output, their product). The rest of the block is
+    the course's GPT's (LayerNorm, multi-head attention)."""
     T = cfg.seq_len if seq_len is None else seq_len
     out = dict(activation_bytes(cfg, batch_size, T, dtype))
+    extra = _mlp_elements_beyond_gelu(cfg, batch_size, T) * dtype_bytes(dtype)
     if attention == "naive":
-        extra = batch_size * cfg.n_head * T * (T * dtype_bytes(dtype) - 4)
-        out["per_layer"] += extra
-        out["layers"] = cfg.n_layer * out["per_layer"]
-        out["total"] = out["layers"] + out["other"]
+        extra += batch_size * cfg.n_head * T * (T * dtype_bytes(dtype) - 4)
     elif attention != "sdpa":
         raise ValueError(f"attention={attention!r}: use 'sdpa' or 'naive'")
+    out["per_layer"] += extra
+    out["layers"] = cfg.n_layer * out["per_layer"]
+    out["total"] = out["layers"] + out["other"]
     return out
+
+
+def _mlp_elements_beyond_gelu(cfg: ModelConfig, batch_size: int, seq_len: int) -> int:
+    """Elements one block's MLP keeps beyond the GELU MLP that `activation_bytes` counts (0 for GELU): the
+    planner's MLP count for ``cfg`` minus its count for the same block with GELU (both 16-bit bytes, halved)."""
+    def mlp(c):
+        return layer_activation_bytes(c, 1, seq_len, batch_size)["mlp"] / 2
+    return round(mlp(cfg) - mlp(cfg.replace(mlp="gelu")))
 
 
 def selective_layer_bytes(cfg: ModelConfig, batch_size: int, seq_len: int | None = None,

@@ -6,8 +6,9 @@ from course_lib import theory
 from course_lib.lessons.display import COLORS, plain_log_ticks
 from course_lib.measure.units import fmt_bytes
 
-__all__ = ["memory_table", "memory_figure", "equality_table", "work_figure", "timeline_figure", "comm_rows",
-           "comm_table", "comm_figure", "which_wins_table"]
+__all__ = ["memory_table", "memory_figure", "long_sequence_lines", "equality_table", "work_figure", "critical_path_lines",
+           "step_work_figure", "timeline_figure", "comm_rows", "comm_table", "comm_figure", "which_wins_table",
+           "hiding_lines", "planner_error_line"]
 
 VARIANT_COLORS = dict(ring="#4C72B0", all_gather="#DD8452", ulysses="#55A868")
 
@@ -47,6 +48,29 @@ def memory_figure(rows: list[dict], hardware: str):
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def long_sequence_lines(names=("llama-7b", "llama3-70b"), seq_len: int = 131072, gpu: str = "H100") -> str:
+    """Per model, one sequence of `seq_len` tokens in bf16 (formula, lesson 07's `theory.savers`): what one block
+    and all blocks keep without recomputation, and with every block recomputed (`checkpointed_activation_bytes`,
+    every=1): the blocks' inputs held, and backward's peak with what it adds over what is held (the loss's
+    backward for these models: its two fp32 (B, s, V) gradients outweigh one recomputed block)."""
+    import torch
+
+    from course_lib.config import get_preset
+    from course_lib.measure.hardware import GPU_SPECS
+
+    lines = [f"one sequence of {seq_len:,} tokens, batch 1, bf16, activations only (formula); one {gpu}: "
+             f"{GPU_SPECS[gpu].mem_gb:g} GB"]
+    for name in names:
+        cfg = get_preset(name)
+        plain = theory.savers.model_activation_bytes(cfg, 1, seq_len, dtype=torch.bfloat16)
+        full = theory.savers.checkpointed_activation_bytes(cfg, 1, seq_len, every=1, dtype=torch.bfloat16)
+        lines.append(f"{name:11s} no recomputation: {fmt_bytes(plain['per_layer'])} per block, "
+                     f"{fmt_bytes(plain['total'])} in all | every block recomputed: the {cfg.n_layer} block inputs "
+                     f"{fmt_bytes(full['segments'] * full['boundary'])}, peak {fmt_bytes(full['peak'])}, of it "
+                     f"{fmt_bytes(full['peak'] - full['held'])} the loss's fp32 gradients")
+    return "\n".join(lines)
 
 
 def equality_table(results: dict, reference: dict, hardware: str) -> tuple[str, dict]:
@@ -91,6 +115,47 @@ def work_figure(returns: list, seq_len: int, batch: int, n_head: int, hardware: 
         ax.set_xticks(range(cp))
         ax.set_xlabel("rank")
         ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def critical_path_lines(seq_len: int, cp: int) -> str:
+    """Per diagonal convention: the busiest over the least busy rank (contiguous split) and the per-step critical
+    path (`theory.context.ring_critical_path`) of both splits, in score elements of one sequence and head."""
+    lines = [f"ring forward, cp={cp}, s={seq_len}, one sequence and head: score elements (formula)"]
+    for diagonal, what in (("whole", "diagonal pair computed whole (this course's attend_block)"),
+                           ("half", "diagonal pair half computed (a causal flash kernel)")):
+        per_rank = [sum(col) for col in zip(*theory.context.ring_step_work(seq_len, cp, "contiguous", diagonal))]
+        path = {split: theory.context.ring_critical_path(seq_len, cp, split, diagonal)
+                for split in ("contiguous", "balanced")}
+        lines.append(f"  {what}: contiguous busiest / least busy {max(per_rank) / min(per_rank):g}; per-step "
+                     f"critical path contiguous {path['contiguous']:g}, balanced {path['balanced']:g}: "
+                     f"{path['contiguous'] / path['balanced']:.3f}x")
+    return "\n".join(lines)
+
+
+def step_work_figure(seq_len: int, cp: int, diagonal: str = "whole"):
+    """The ring forward's steps from `theory.context.ring_step_work` (formula, not a measurement): every step lasts
+    as long as its slowest rank; each rank's bar is its work, the rest of the step it waits (grey)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(9, 1.2 + 1.1 * cp), sharex=True)
+    for ax, split in zip(axes, ("contiguous", "balanced")):
+        steps, t0 = theory.context.ring_step_work(seq_len, cp, split, diagonal), 0.0
+        for t, work in enumerate(steps):
+            length = max(work)
+            for r, w in enumerate(work):
+                ax.broken_barh([(t0, length)], (r - 0.35, 0.7), color="#DDDDDD", edgecolor="white")
+                if w:
+                    ax.broken_barh([(t0, w)], (r - 0.35, 0.7), color=COLORS["compute"], edgecolor="white")
+                    ax.text(t0 + w / 2, r, str(t), fontsize=7, color="white", ha="center", va="center")
+            t0 += length
+        ax.set_yticks(range(cp), [f"rank {r}" for r in range(cp)])
+        ax.invert_yaxis()
+        ax.set_title(f"{split} split: {t0:g} score elements along the steps (compute blue with its step, "
+                     f"waiting grey)", fontsize=8)
+    axes[-1].set_xlabel(f"score elements (one sequence and head, s={seq_len}, cp={cp}, diagonal computed "
+                        f"{diagonal}): formula, theory.context.ring_step_work")
     fig.tight_layout()
     return fig
 
@@ -193,3 +258,28 @@ def which_wins_table(d_model: int, n_head: int, n_kv_head: int, seq_lens=(32768,
             lines.append(f"{s:7d} {cp:3d} {fmt_bytes(wire['ring']):>10s} {fmt_bytes(wire['all_gather']):>10s} "
                          f"{fmt_bytes(wire['ulysses']):>10s}  {fmt_bytes(2 * s * kv_dim * dtype_bytes):>12s}  {ok}")
     return "\n".join(lines)
+
+
+def hiding_lines(gpu: str = "H100", inter_node_gbs: float = 50.0, kv_fraction: float = 1.0) -> str:
+    """Tokens per rank above which one ring step's attention hides the next K/V transfer
+    (`theory.context.ring_hiding_tokens`) at `gpu`'s bf16 peak, over its node's link and over an inter-node link of
+    `inter_node_gbs` GB/s per GPU (formula)."""
+    from course_lib.measure.hardware import GPU_SPECS
+
+    spec = GPU_SPECS[gpu]
+    lines = [f"{spec.name}, bf16 peak {spec.bf16_tflops:g} TFLOP/s (formula; a kernel below peak needs fewer tokens)"]
+    for link, gbs in ((spec.link, spec.link_gbs), ("inter-node", inter_node_gbs)):
+        full = theory.context.ring_hiding_tokens(spec.bf16_tflops * 1e12, gbs * 1e9, 2, kv_fraction)
+        lines.append(f"  {link}, {gbs:g} GB/s one way: s/cp >= {full:,.0f} tokens (a full chunk pair per step), "
+                     f"{2 * full:,.0f} (a balanced causal step, which computes half a full pair)")
+    return "\n".join(lines)
+
+
+def planner_error_line(out: dict) -> str:
+    """The planner's error on a published row (`published.long_context`'s result): its TFLOP/s per GPU for the
+    published layout against the reported, the yardstick of any "x faster" it finds."""
+    r = out["run"]
+    predicted = out["predicted_tflops"]
+    return (f"the planner's error on the published row itself: {predicted:.0f} TFLOP/s per GPU predicted vs "
+            f"{r.reported_tflops:g} reported ({predicted / r.reported_tflops - 1:+.1%}); its best layout's "
+            f"{out['facts']['speedup']:.2f}x is over its own {predicted:.0f}, not over the measured {r.reported_tflops:g}")
