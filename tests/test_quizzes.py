@@ -47,7 +47,7 @@ EXPECTED = {
     "09": {"q1": schedules.warmup_cosine(301_000, peak_lr=6e-4, warmup_steps=2000, total_steps=600_000, min_lr=6e-5),
            "q2": practice.young_daly_interval(120, practice.job_mtbf(50_000 * 3600, 16384)) / 60,
            "q3": min(1.0, 1.0 / (0.5 * math.sqrt(8) + 1e-6)),      # max_norm / the norm summed over 8 replicas
-           "q4": 2.40 + 6 * 0.05,                                    # the z-score's threshold: mean + z std
+           "q4": (3.5 - 3.45) / (0.1 * math.sqrt(10 * 11 / 12)),     # a falling line's own spread: z of 3.50
            "q5": (2 * 100 + 3 * 300 + 2 * 200 + 3 * 400) / 1000 - (2 + 3 + 2 + 3) / 4},   # tokens vs micro-batches
     "10": {"q1": theory.context.layer_comm("ring", 1, 131072, 4096, 8, 2)[("forward", "send")]["bytes"] / 1e9,
            "q2": theory.context.ring_critical_path(4096, 8, "contiguous", "half")

@@ -66,7 +66,7 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
         "q1": ("1d12243f4b588296d24965d0", 0.01, "section 1: where s stands in the cosine, after the warm-up"),
         "q2": ("2f1e96df65472ce0172d321c", 0.02, "section 5.2: the job's MTBF first, then Young's interval"),
         "q3": ("c56eed5b7724ce735e65923b", 0.01, "section 2: the norm the bug computes, then the clipping rule there"),
-        "q4": ("dda2551023c03cb36d11f7f0", 0.005, "section 7.1: the z-score's formula solved for the value"),
+        "q4": ("443301895d0d506f66209c24", 0.01, "section 7.1: the z-score's formula, with the window written out"),
         "q5": ("f7b710efd458a5454f2ba4a5", 0.01, "section 7.4: weigh each micro-batch by its valid tokens"),
     },
     "10": {

@@ -16,6 +16,13 @@ spike. The training script (`course_lib.training.train`) runs two, on the loss a
 the values all-reduced over the ranks, so that every rank takes the same decision; their state goes into each
 checkpoint (`state_dict`), so a resumed run judges as the uninterrupted one would.
 
+A trend fools the plain window. A young run's loss falls step after step, so the window's mean lags above the
+current value and its standard deviation measures the fall, not the noise: a spike's z-score shrinks as the window
+grows (lesson 09, section 7.1, measures it on the same run). `DetrendedSpikeDetector` fits a straight line to the
+window (least squares over the steps at which the values came), extrapolates it to the step judged, and takes the
+z-score of the residual against the residuals' own spread. The training script uses the plain detector, with a
+short window (configs/tiny_spike.toml).
+
 What large runs do on a spike (Chowdhery et al. 2022, PaLM, section 5.1): "we re-started training from a
 checkpoint roughly 100 steps before the spike started, and skipped roughly 200–500 data batches, which cover the
 batches that were seen before and during the spike."
@@ -28,7 +35,7 @@ from collections import deque
 
 from course_lib.reference import reference_for
 
-__all__ = ["SpikeDetector"]
+__all__ = ["SpikeDetector", "DetrendedSpikeDetector", "replay_zscores"]
 
 
 def _positive_int(name: str, value, low: int = 1) -> int:
@@ -94,4 +101,60 @@ class SpikeDetector:
         self.values = deque((float(v) for v in state["values"]), maxlen=self.window)
 
     def __repr__(self) -> str:
-        return f"SpikeDetector(window={self.window}, warmup={self.warmup}, z={self.z}, accepted={len(self.values)})"
+        return f"{type(self).__name__}(window={self.window}, warmup={self.warmup}, z={self.z}, accepted={len(self.values)})"
+
+
+class DetrendedSpikeDetector(SpikeDetector):
+    """A `SpikeDetector` whose z-score is taken about the window's straight-line trend (needs warmup >= 3).
+
+    z = (value - line(t)) / s_r, with line the least-squares fit of the window's values against the indices t of
+    the `update` calls that brought them (a spike leaves a gap), t the index of this call, and s_r the residuals'
+    standard deviation with n - 2 degrees of freedom (two fitted coefficients). Same rules otherwise: no verdict
+    during the warm-up, a spike or a non-finite value never enters the window, only upward moves count."""
+
+    def __init__(self, window: int = 20, warmup: int = 10, z: float = 6.0):
+        super().__init__(window, warmup, z)
+        if self.warmup < 3:
+            raise ValueError(f"DetrendedSpikeDetector: warmup={warmup}: a line through 2 values leaves no residual; "
+                             f"use warmup >= 3")
+        self.times: deque[int] = deque(maxlen=self.window)
+        self.t = 0                  # the index of the next update() call
+
+    def zscore(self, value: float) -> float:
+        if not math.isfinite(value):
+            return math.inf
+        n = len(self.values)
+        if n < self.warmup:
+            return 0.0
+        t_mean, v_mean = sum(self.times) / n, sum(self.values) / n
+        slope = (sum((t - t_mean) * (v - v_mean) for t, v in zip(self.times, self.values))
+                 / sum((t - t_mean) ** 2 for t in self.times))
+        s_r = math.sqrt(sum((v - v_mean - slope * (t - t_mean)) ** 2 for t, v in zip(self.times, self.values))
+                        / (n - 2))
+        residual = value - (v_mean + slope * (self.t - t_mean))
+        if s_r == 0.0:
+            return 0.0 if residual <= 0 else math.inf
+        return residual / s_r
+
+    def update(self, value: float) -> bool:
+        spike = super().update(value)
+        if not spike:
+            self.times.append(self.t)
+        self.t += 1
+        return spike
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "times": list(self.times), "t": self.t}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.times, self.t = deque((int(t) for t in state["times"]), maxlen=self.window), int(state["t"])
+
+
+def replay_zscores(values, detector: SpikeDetector) -> list[float]:
+    """Feed ``values`` to ``detector`` one by one; the z-score it gave each (0.0 during its warm-up)."""
+    out = []
+    for v in values:
+        detector.update(v)
+        out.append(detector.last_z)
+    return out

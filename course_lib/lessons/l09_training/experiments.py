@@ -42,7 +42,8 @@ RUNS = Path(__file__).resolve().parents[3] / "runs" / "train"
 
 __all__ = ["CONFIGS", "RUNS", "lr_curves", "warmup_runs", "one_process_clip", "dp_tp_gradients", "rank_clip_dp_tp",
            "watch_training",
-           "step_times", "time_lost", "torchrun_failures", "rank_sigkill", "passes", "spike_rows", "final_loss",
+           "step_times", "time_lost", "torchrun_failures", "rank_sigkill", "passes", "spike_rows", "trend_rows",
+           "final_loss",
            "stack_dump", "loader_resume", "token_loss_runs"]
 
 
@@ -316,6 +317,32 @@ def spike_rows(record: dict) -> list[dict]:
                      "skipped": tuple(skipped) if skipped else None,
                      "redone": (e["step"] - e["rewound_to"]) if e.get("rewound_to") is not None else 0,
                      "lr": e.get("lr")})
+    return rows
+
+
+def trend_rows(clean: list[dict], spiked: list[dict], step: int, metrics=("loss", "grad_norm"),
+               windows=(6, 10, 14), warmup: int = 6) -> list[dict]:
+    """A run's metrics replayed through two detectors at several windows: the plain window (`spikes.SpikeDetector`)
+    and the detrended one (`spikes.DetrendedSpikeDetector`). ``clean``, ``spiked``: the metrics records of the same
+    run without and with the spike, neither rewound (``spiked`` is read up to ``step``, the spike's). One row per
+    (metric, window, detector): the z-score the spike gets, and the largest z-score over the clean run and the step
+    it came at (how close the healthy run comes to a false alarm)."""
+    from course_lib.training import spikes
+
+    for records in (clean, spiked):
+        if [r["step"] for r in records] != list(range(len(records))):
+            raise ValueError("trend_rows: give the records of a run that was never rewound (steps 0, 1, 2, ...)")
+    rows = []
+    for metric in metrics:
+        values = {"clean": [r[metric] for r in clean], "spiked": [r[metric] for r in spiked[:step + 1]]}
+        for window in windows:
+            for name, cls in (("plain window", spikes.SpikeDetector), ("detrended", spikes.DetrendedSpikeDetector)):
+                settings = {"window": window, "warmup": min(warmup, window)}       # z: only the z-scores are read
+                z_spike = spikes.replay_zscores(values["spiked"], cls(**settings))[step]
+                z_clean = spikes.replay_zscores(values["clean"], cls(**settings))
+                worst = max(range(len(z_clean)), key=z_clean.__getitem__)
+                rows.append({"metric": metric, "window": window, "detector": name, "z_spike": z_spike,
+                             "z_clean_max": z_clean[worst], "z_clean_max_step": worst})
     return rows
 
 

@@ -164,18 +164,28 @@ def instability_figure(runs: dict, hardware: str):
 
 # ----------------------------------------------------------------------------- 2. checkpoints
 
-def rank_save_timing(cfg: ModelConfig, root: str, repeats: int) -> dict:
+def rank_save_timing(cfg: ModelConfig, root: str, repeats: int, steps: int = 3) -> dict:
     """On every rank: a DDP model with its AdamW state, saved `repeats` times synchronously and asynchronously,
-    interleaved. Blocked = from the call until it returns (the loop could go on); total = until the async write
-    is published (`handle.result()`)."""
+    interleaved. Blocked = from the call until it returns (the loop could go on); total = until the writer thread's
+    write ended (its future done; `handle.result()` then publishes the folder). Each repeat also times `steps` training steps
+    with no save in flight ('step_s') and the same number right after the async save returned, while its thread
+    writes ('step_during_s'; 'written_during': whether the write had finished by the end of those steps)."""
     model = build_model(cfg, 0)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = (shard_batch(t, dist.get_rank(), dist.get_world_size()) for t in random_batches(cfg, 4, 1)[0])
-    lm_loss(ddp(x), y).backward()
-    opt.step()                                          # AdamW's m and v exist: the state a run saves
+
+    def train_steps(n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            lm_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return (time.perf_counter() - t0) / max(n, 1)
+
+    train_steps(1)                                      # AdamW's m and v exist: the state a run saves
     group = dist.new_group(backend="gloo")              # the async writer's own group, made once as a loop would
-    sync, blocked, total = [], [], []
+    sync, blocked, total, alone, during, written = [], [], [], [], [], []
     for i in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
@@ -183,17 +193,26 @@ def rank_save_timing(cfg: ModelConfig, root: str, repeats: int) -> dict:
                              data_position=i)
         sync.append(time.perf_counter() - t0)
         dist.barrier()
+        alone.append(train_steps(steps))
+        dist.barrier()
         t0 = time.perf_counter()
         handle = dist_checkpoint.save(dist_checkpoint.step_path(f"{root}/async", i), model=model, optimizer=opt,
                                       step=i, data_position=i, async_save=True, process_group=group)
         blocked.append(time.perf_counter() - t0)
+        ended: list[float] = []
+        handle.future.add_done_callback(lambda _: ended.append(time.perf_counter()))
+        during.append(train_steps(steps))
+        written.append(handle.future.done())
         handle.result()
-        total.append(time.perf_counter() - t0)
+        while not ended:                                # the callback runs in the writer's thread
+            time.sleep(1e-3)
+        total.append(ended[0] - t0)
     files = list(dist_checkpoint.latest(f"{root}/sync").iterdir())
     state_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     state_bytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                        if isinstance(v, torch.Tensor))
-    return {"sync_s": sync, "async_blocked_s": blocked, "async_total_s": total, "state_bytes": state_bytes,
+    return {"sync_s": sync, "async_blocked_s": blocked, "async_total_s": total, "step_s": alone,
+            "step_during_s": during, "written_during": written, "steps": steps, "state_bytes": state_bytes,
             "file_bytes": sum(f.stat().st_size for f in files), "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -201,9 +220,10 @@ def async_save_timing(cfg: ModelConfig | None = None, nprocs: int = 2, repeats: 
                       folder: str | Path | None = None, timeout_s: float = 240) -> dict:
     """Time DCP's synchronous save against `async_save` on `nprocs` gloo ranks, for a model with its AdamW state
     (default SAVE_CFG: 7.2M parameters, 87 MB of state on each rank), both through the training script's
-    `dist_checkpoint.save`. Returns rank 0's {'sync_s', 'async_blocked_s', 'async_total_s' (medians, s),
-    'times' (every repeat), 'state_bytes', 'file_bytes', 'params', 'nprocs'}; the checkpoints are deleted
-    (folder=None: a temporary one)."""
+    `dist_checkpoint.save`, and training steps with and without an async write in flight (`rank_save_timing`).
+    Returns rank 0's {'sync_s', 'async_blocked_s', 'async_total_s', 'step_s', 'step_during_s' (medians, s),
+    'times' (every repeat), 'written_during' (every repeat), 'steps', 'state_bytes', 'file_bytes', 'params',
+    'nprocs'}; the checkpoints are deleted (folder=None: a temporary one)."""
     cfg = cfg or SAVE_CFG
     root = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="async_save_"))
     try:
@@ -211,9 +231,9 @@ def async_save_timing(cfg: ModelConfig | None = None, nprocs: int = 2, repeats: 
                   timeout_s=timeout_s).returns[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    times = {k: res[k] for k in ("sync_s", "async_blocked_s", "async_total_s")}
+    times = {k: res[k] for k in ("sync_s", "async_blocked_s", "async_total_s", "step_s", "step_during_s")}
     return {**{k: statistics.median(v) for k, v in times.items()}, "times": times, "nprocs": nprocs,
-            **{k: res[k] for k in ("state_bytes", "file_bytes", "params")}}
+            **{k: res[k] for k in ("written_during", "steps", "state_bytes", "file_bytes", "params")}}
 
 
 def _rank_zero_state(cfg: ModelConfig, folder: str, steps: int, save: bool) -> dict:

@@ -15,7 +15,7 @@ from course_lib.lessons.display import COLORS, plain_log_ticks
 from course_lib.theory import practice
 
 __all__ = ["max_relative_difference", "loss_spike", "lr_figure", "warmup_figure", "clip_table", "rules_table",
-           "waste_curve", "waste_figure", "cost_table", "interval_widget", "spike_table", "spike_figure",
+           "waste_curve", "waste_figure", "cost_table", "interval_widget", "spike_table", "trend_table", "spike_figure",
            "save_figure", "token_table"]
 
 
@@ -216,6 +216,18 @@ def spike_table(rows: list[dict]) -> str:
         lr = f"{r['lr']:.3g}" if r["lr"] is not None else "-"
         lines.append(f"{r['step']:4d} {r['metric']:>9s} {r['loss']:7.3f} {r['z_loss']:8.1f} {r['grad_norm']:9.3g} "
                      f"{r['z_grad_norm']:8.1f} {back:>10s} {skipped:>16s} {r['redone']:6d} {lr:>9s}")
+    return "\n".join(lines)
+
+
+def trend_table(rows: list[dict], step: int) -> str:
+    """`experiments.trend_rows` as a table: per metric, window and detector, the spike's z-score and the clean run's
+    largest."""
+    head = (f"{'metric':>9s} {'window':>6s} {'detector':>13s} {f'z of the spike (step {step})':>26s} "
+            f"{'largest z, clean run':>21s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['metric']:>9s} {r['window']:6d} {r['detector']:>13s} {r['z_spike']:26.2f} "
+                     f"{r['z_clean_max']:13.2f} (step {r['z_clean_max_step']:2d})")
     return "\n".join(lines)
 
 
