@@ -211,3 +211,53 @@ def test_mfu_divides_by_the_dense_peak():
     assert mfu == pytest.approx(370 * f / 989.4e12) == pytest.approx(0.4025, abs=1e-3)
     # full recomputation raises the numerator by about a third: HFU, not MFU
     assert flops.hardware_flops_per_token(gpt3, recompute="full") / f == pytest.approx(1.332, abs=1e-3)
+
+
+def test_mla_flops_per_token_from_the_report_dimensions():
+    """DeepSeek-V3's multi-head latent attention (report, arXiv 2412.19437, section 4.2: 128 heads of 128, 64
+    decoupled RoPE dimensions for q.k, KV compression 512, query compression 1,536; width 7,168), counted by hand."""
+    d, h, s = 7168, 128, 4096
+    mla = flops.MLASpec(n_head=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128)
+    down_q, up_q = d * 1536, 1536 * h * (128 + 64)            # query: compress, then up to 128 heads of 192
+    down_kv = d * (512 + 64)                                   # KV latent and the shared RoPE key
+    up_kv = 512 * h * (128 + 128)                              # keys' 128 and values' 128 per head
+    out = h * 128 * d
+    assert mla.matmul_params(d) == down_q + up_q + down_kv + up_kv + out == 187_105_280
+    assert mla.params(d) == mla.matmul_params(d) + 1536 + 512   # the two latents' RMSNorms
+    core = 3 * (2 * s * h * 192 + 2 * s * h * 128)             # q.k over 192, weights x values over 128; x3 training
+    assert mla.core_flops_per_token(s) == core == 1_006_632_960
+    assert mla.core_flops_per_token(s, causal=True) == core / 2
+    assert mla.core_flops_per_token(s, training=False) == core / 3
+    per_token_layer = 6 * mla.matmul_params(d) + mla.core_flops_per_token(s)
+    assert per_token_layer == 6 * 187_105_280 + 1_006_632_960
+    # multi-head attention of the same width (128 heads of 56), as the planner priced it before: its score and value
+    # matmuls are 12 s d per token per layer, 2.86x fewer than MLA's; with its projections (4 d^2 weights) the whole
+    # attention of a layer is priced 26 % under MLA's
+    mha_core = flops.attention_flops_per_token(get_preset("tiny").replace(n_layer=1, d_model=d, n_head=h), s)
+    assert mha_core == 12 * s * d and core / mha_core == pytest.approx(320 / 112)
+    assert (6 * 4 * d * d + mha_core) / per_token_layer == pytest.approx(0.745, abs=1e-3)
+
+
+def test_mla_equals_transformers_deepseek_v3_attention():
+    """`flops.MLASpec` against transformers' DeepseekV3Attention at a small size: the same matmul weights, and the
+    FLOPs FlopCounterMode counts in its forward and backward equal 6 x weights + the score and value matmuls."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+    cfg = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, num_hidden_layers=1,
+                           vocab_size=100, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4,
+                           num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    att = DeepseekV3Attention(cfg, 0)
+    mla = flops.MLASpec(4, 32, 16, 8, 4, 8)
+    assert sum(m.weight.numel() for m in att.modules() if isinstance(m, torch.nn.Linear)) == mla.matmul_params(64)
+    assert sum(p.numel() for p in att.parameters()) == mla.params(64)
+    B, s = 2, 16
+    x = torch.randn(B, s, 64, requires_grad=True)
+    pe = DeepseekV3RotaryEmbedding(cfg)(x, torch.arange(s)[None].expand(B, -1))
+    with FlopCounterMode(display=False) as counter:
+        att(x, pe, None)[0].sum().backward()
+    assert counter.get_total_flops() / (B * s) == 6 * mla.matmul_params(64) + mla.core_flops_per_token(s)

@@ -70,15 +70,15 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
         "q5": ("f7b710efd458a5454f2ba4a5", 0.01, "section 7.4: weigh each micro-batch by its valid tokens"),
     },
     "10": {
-        "q1": ("3a260455ceb6fe058b23ad8a", 0.01, "section 4: the ring's forward sends, cp - 1 K/V chunks of 2 B (s/cp) C b"),
+        "q1": ("3a260455ceb6fe058b23ad8a", 0.01, "section 4: what one rank sends in the ring's forward, and how many times"),
         "q2": ("922458c31577bd43acd66d0d", 0.001, "section 3: each step lasts as long as its slowest rank; the causal "
                "flash kernel's convention"),
         "q3": ("423687081bf0b29c94348f45", None, "section 4: Ulysses gives each rank whole heads, K/V heads included"),
     },
     "11": {
-        "q1": ("bcce44ab22ec12b903d7ba67", 0.01, "section 3: one dispatch carries T k rows of C values of b bytes"),
+        "q1": ("bcce44ab22ec12b903d7ba67", 0.01, "section 3: what one dispatch carries, counted row by row"),
         "q2": ("8715baaa1c9164fd9f5a73e7", None, "section 2: the capacity rounds up; the expert's other rows drop"),
-        "q3": ("585ba3c09d47d606dd065aa4", 0.02, "section 1: the total minus the 3 C F (E - k) a token skips a layer"),
+        "q3": ("585ba3c09d47d606dd065aa4", 0.02, "section 1: which experts' weights one token's matmuls never touch"),
     },
 }
 

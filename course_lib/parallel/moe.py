@@ -1,7 +1,8 @@
 """A mixture-of-experts layer in one process: router, dispatch permutation, experts, combine (lesson 11).
 
-A sparsely-gated mixture of experts (Shazeer et al. 2017, "Outrageously Large Neural Networks") replaces a block's
-MLP by E expert MLPs and a router that sends each token to k of them. Parameters grow with E; the FLOPs per token
+A sparsely-gated mixture of experts (Shazeer et al. 2017, "Outrageously Large Neural Networks", placed between
+stacked LSTM layers; in a transformer block in place of the MLP since GShard, Lepikhin et al. 2020, and Switch, Fedus
+et al. 2021) is E expert MLPs and a router that sends each token to k of them. Parameters grow with E; the FLOPs per token
 grow with k only (`course_lib.theory.experts`).
 
     model = apply_moe(build_model(cfg, 0), n_experts=4, top_k=2)      # every block's mlp becomes a MoELayer
@@ -14,19 +15,29 @@ chosen logits" coincide; without it they do not (tests/test_experts.py shows bot
 
 **Load-balancing loss** (Switch, eq. 4-6): ``alpha * E * sum_i f_i P_i``, f_i the fraction of the T k assignments
 routed to expert i (token COUNTS: not differentiable), P_i the mean router probability of expert i (differentiable):
-it is smallest, alpha, under uniform routing. transformers' ``load_balancing_loss_func`` divides the counts by T,
-not T k: its value is k times ours. Computed per group of tokens (below) and averaged over the groups.
+it is smallest, alpha, under uniform routing. Switch routes top-1 and divides the counts by the T tokens (eq. 5);
+dividing by T k at any k is Megatron-LM's generalisation (``switch_load_balancing_loss_func``'s docstring: "f_i = 1 /
+(T * topk) * ..."). transformers' ``load_balancing_loss_func`` divides the counts by T, not T k: its value is k
+times ours. Computed per group of tokens (below) and averaged over the groups.
 
 **Capacity** (GShard, Lepikhin et al. 2020; Switch): an expert takes at most
 ``capacity = ceil(capacity_factor * S * k / E)`` of a group's S tokens; the rest are dropped (their output from the
-experts is 0: the residual stream carries them). Order of priority, as GShard's top-2 and DeepSpeed's gating: every
-token's first choice before any second choice, then by position. ``groups``: the tokens of a batch are cut into
+experts is 0: the residual stream carries them). Order of priority here: every token's first choice before any
+second choice, then by position (as DeepSpeed 0.19.8's ``top2gating`` places them). Libraries differ: GShard sends a
+token to its second expert at random, in proportion to its weight (section 2.2); DeepSpeed's ``top1gating`` keeps a
+random subset of an over-full expert's tokens by default (``use_rts=True``); Megatron-LM drops the lowest
+probabilities by default (``moe_token_drop_policy="probs"``). ``groups``: the tokens of a batch are cut into
 ``groups`` equal contiguous groups and capacity and the loss are per group (GShard's "groups"): one process with
 ``groups = dp`` is what dp ranks with one group each compute (`course_lib.parallel.experts`).
 
 **Auxiliary-loss-free balancing** (DeepSeek-V3, 2024, section 2.1.2): a per-expert bias b is added to the scores for
 the choice of the top-k only, not to the weights; after each step ``b += gamma * sign(mean load - load)``
-(`update_expert_bias`). ``alpha=0`` switches the loss off.
+(`update_expert_bias`). ``alpha=0`` switches the loss off. Here the bias is added to the softmax probabilities, and
+lesson 11 runs gamma = 3e-3 besides DeepSeek-V3's 1e-3; DeepSeek-V3 adds it to sigmoid affinities, takes the gating
+weights from the affinities without the bias, normalised over the k selected (as transformers 5.24's
+``DeepseekV3TopkRouter``: ``scores = router_logits.sigmoid()``, ``scores_for_choice = scores +
+self.e_score_correction_bias``), runs gamma = 0.001 and keeps a small sequence-wise balance loss beside the bias
+(report, sections 2.1.2 and 4.2).
 
 **Dispatch as a permutation**: the T k (token, choice) pairs flattened choice-major, ``order = argsort(expert id,
 stable)`` groups them by expert, ``counts = bincount(expert id)`` says how many each expert gets; the experts run on

@@ -104,14 +104,23 @@ class MoESpec:
     """What makes a `ModelConfig` a mixture of experts, for the planner (lesson 08 with lesson 11; issue 32): every
     block from ``first_dense_layers`` on has E = ``n_experts`` routed SwiGLU experts of hidden size F =
     ``expert_d_ff`` (top-``top_k`` routing) plus ``n_shared`` always-on experts of the same size, and a router
-    (C x E); the first ``first_dense_layers`` blocks keep the config's own MLP (``cfg.d_ff``). DeepSeek-V3:
-    ``MoESpec(256, 8, 2048, n_shared=1, first_dense_layers=3)``; Mixtral 8x7B: ``MoESpec(8, 2, 14336)``."""
+    (C x E); the first ``first_dense_layers`` blocks keep the config's own MLP (``cfg.d_ff``). Mixtral 8x7B:
+    ``MoESpec(8, 2, 14336)``.
+
+    Two more parts of DeepSeek-V3's shape that a `ModelConfig` cannot hold: ``mla``, its attention (`flops.MLASpec`),
+    replaces the config's multi-head attention in every block's parameters and FLOPs (the planner's activation count
+    still reads the config's heads); ``mtp_depth``, its multi-token prediction modules (report, section 2.2: depth
+    D = 1), each one more MoE block, a projection 2C x C and the output head again on every token, priced in FLOPs
+    only (`mtp_flops_per_token`). DeepSeek-V3: ``MoESpec(256, 8, 2048, n_shared=1, first_dense_layers=3, mla=...,
+    mtp_depth=1)`` (`lessons.l08_three_d.published`)."""
 
     n_experts: int
     top_k: int
     expert_d_ff: int
     n_shared: int = 0
     first_dense_layers: int = 0
+    mla: flops.MLASpec | None = None
+    mtp_depth: int = 0
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "expert_d_ff"):
@@ -120,8 +129,8 @@ class MoESpec:
                 raise ValueError(f"{name}={v!r} must be a positive int")
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k={self.top_k} > n_experts={self.n_experts}: pick top_k <= n_experts")
-        if self.n_shared < 0 or self.first_dense_layers < 0:
-            raise ValueError("n_shared and first_dense_layers must be >= 0")
+        if self.n_shared < 0 or self.first_dense_layers < 0 or self.mtp_depth < 0:
+            raise ValueError("n_shared, first_dense_layers and mtp_depth must be >= 0")
 
     @property
     def shared_d_ff(self) -> int:
@@ -146,17 +155,50 @@ class MoESpec:
         """A MoE block's dense parameters minus the dense block's: router C E + shared 3 C F_s - the config's MLP."""
         return cfg.d_model * self.n_experts + 3 * cfg.d_model * self.shared_d_ff - _mlp_params(cfg)
 
+    def attention_delta(self, cfg: ModelConfig, matmul_only: bool = False) -> int:
+        """One block's attention parameters with ``mla`` minus the config's multi-head attention (0 without MLA)."""
+        if self.mla is None:
+            return 0
+        d, kv = cfg.d_model, cfg.n_kv_head * cfg.head_dim
+        mha = 2 * d * d + 2 * d * kv + (0 if matmul_only else int(cfg.bias) * (2 * d + 2 * kv))
+        return (self.mla.matmul_params(d) if matmul_only else self.mla.params(d)) - mha
+
+    def attention_core_flops_per_token(self, cfg: ModelConfig, seq_len: int | None = None) -> float:
+        """Training FLOPs per token of every block's score and value matmuls: `flops.attention_flops_per_token`, or
+        ``mla``'s `flops.MLASpec.core_flops_per_token` per block."""
+        if self.mla is None:
+            return flops.attention_flops_per_token(cfg, seq_len)
+        return cfg.n_layer * self.mla.core_flops_per_token(cfg.seq_len if seq_len is None else seq_len)
+
     def active_matmul_params(self, cfg: ModelConfig) -> int:
         """N_active of the 6N rule: `flops.matmul_params` with each MoE block's MLP replaced by its router, k routed
-        experts and the shared ones (the first dense blocks keep theirs)."""
+        experts and the shared ones (the first dense blocks keep theirs), and every block's attention by ``mla``'s
+        (multi-token prediction not included: `mtp_flops_per_token`)."""
         mlp = (2 if cfg.mlp == "gelu" else 3) * cfg.d_model * cfg.d_ff
         return flops.matmul_params(cfg) + self.moe_layers(cfg) * (
-            _moe_layer(cfg, self.n_experts, self.top_k, self.expert_d_ff, self.shared_d_ff) - mlp)
+            _moe_layer(cfg, self.n_experts, self.top_k, self.expert_d_ff, self.shared_d_ff) - mlp) + (
+            cfg.n_layer * self.attention_delta(cfg, matmul_only=True))
+
+    def mtp_flops_per_token(self, cfg: ModelConfig, seq_len: int | None = None) -> float:
+        """Training FLOPs per token of the ``mtp_depth`` multi-token prediction modules (DeepSeek-V3 report, section
+        2.2): each runs on every token one more block (attention, router, k routed and the shared experts), the
+        projection M of the concatenated [norm(h); norm(embedding)] (2C -> C) and the shared output head (C x V):
+        6 x those matmul weights + one block's attention core. The shared embedding is a lookup (no matmul)."""
+        if not self.mtp_depth:
+            return 0.0
+        d = cfg.d_model
+        attn = 2 * d * d + 2 * d * cfg.n_kv_head * cfg.head_dim + self.attention_delta(cfg, matmul_only=True)
+        block = attn + _moe_layer(cfg, self.n_experts, self.top_k, self.expert_d_ff, self.shared_d_ff)
+        core = self.attention_core_flops_per_token(cfg, seq_len) / cfg.n_layer
+        return self.mtp_depth * (6 * (block + 2 * d * d + d * cfg.vocab_size) + core)
 
     def flops_per_token(self, cfg: ModelConfig, seq_len: int | None = None) -> float:
-        """Training FLOPs per token: 6 N_active + 12 L T d (`moe_flops_per_token` when every block is MoE)."""
-        return 6 * self.active_matmul_params(cfg) + flops.attention_flops_per_token(cfg, seq_len)
+        """Training FLOPs per token: 6 N_active + the attention core (12 L T d, or ``mla``'s) + the multi-token
+        prediction modules (`moe_flops_per_token` when every block is MoE and neither is given)."""
+        return (6 * self.active_matmul_params(cfg) + self.attention_core_flops_per_token(cfg, seq_len)
+                + self.mtp_flops_per_token(cfg, seq_len))
 
     def total_params(self, cfg: ModelConfig) -> int:
-        """Every parameter of the model (embeddings included)."""
-        return cfg.num_params() + self.moe_layers(cfg) * (self.dense_delta(cfg) + self.expert_params(cfg))
+        """Every parameter of the model (embeddings included; the multi-token prediction modules not)."""
+        return cfg.num_params() + self.moe_layers(cfg) * (self.dense_delta(cfg) + self.expert_params(cfg)) + (
+            cfg.n_layer * self.attention_delta(cfg))

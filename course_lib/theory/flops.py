@@ -1,6 +1,7 @@
 """FLOPs of training a GPT, by formula (lesson 01).
 
-Convention (PaLM, Chowdhery et al. 2022, appendix B; Chinchilla, Hoffmann et al. 2022, appendix F):
+Convention (the course's; the formula's shape is PaLM's, Chowdhery et al. 2022, appendix B, whose N is every
+parameter; Chinchilla, Hoffmann et al. 2022, appendix F):
 one multiply-add = 2 FLOPs; a training step = forward + backward, and the backward pass costs twice the
 forward (gradients with respect to the input *and* the weight of every matmul). Per token:
 
@@ -19,17 +20,24 @@ forward (gradients with respect to the input *and* the weight of every matmul). 
 What the formula leaves out (and ``FlopCounterMode`` also does not count): softmax, layer norm, GELU,
 residual adds, the loss and the optimizer step: O(d_model) per token each, a few percent at most.
 
-Kaplan et al. 2020 (table 1) write 6N + 6 n_layer n_ctx d_attn: the same count with the causal half
-of the attention matrix skipped. ``causal=True`` gives that convention.
+Kaplan et al. 2020 (table 1): an attention row of 2 n_layer n_ctx d_attn forward, half the full matrix's; their N
+excludes the embeddings and their total the LM head, so theirs is not the same count. ``causal=True`` halves the
+course's attention term (the "Kaplan (causal half)" row of ``FLOP_CONVENTIONS``: Kaplan's attention term, the
+course's N).
 
 The conventions of others, one function each (lesson 01, section 1.5; ``FLOP_CONVENTIONS`` names them all):
 :func:`palm_flops_per_token` (6N + 12 L H Q T, N every parameter), :func:`megatron_flops_per_token` (Narayanan et
 al. 2021, with or without the recomputation term), :func:`megatron_code_flops_per_token` (Megatron-LM's code today:
 the causal half), :func:`torchtitan_flops_per_token`; :func:`hardware_flops_per_token`
 counts what recomputation adds (HFU's numerator); `course_lib.measure.speed.mfu` divides by the *dense* peak.
+
+Multi-head latent attention (DeepSeek-V2 and V3), whose projections and score width differ from multi-head attention
+of the model's width, is priced by :class:`MLASpec` (lesson 11, section 5).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from course_lib.config import ModelConfig
 from course_lib.reference import reference_for
@@ -52,7 +60,7 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int | None = None, caus
     """Training FLOPs per token of the score and value matmuls: 12 * n_layer * seq_len * d_model.
 
     Forward: Q K^T costs 2 * seq_len * d_model per token per layer, P V the same; training = 3 x forward.
-    ``causal=True`` halves it (only the lower triangle is useful work; Kaplan et al. 2020).
+    ``causal=True`` halves it (only the lower triangle is useful work; Kaplan et al. 2020's attention row).
     """
     T = cfg.seq_len if seq_len is None else seq_len
     f = 12 * cfg.n_layer * T * cfg.d_model
@@ -65,6 +73,56 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, causal: bool =
     """Model FLOPs per token: 6N + 12 L T d for training (forward + backward), 2N + 4 L T d forward only."""
     f = 6 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len, causal)
     return f if training else f / 3
+
+
+@dataclasses.dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (MLA; DeepSeek-V2, arXiv 2405.04434, section 2.1; DeepSeek-V3, arXiv 2412.19437,
+    sections 2.1.1 and 4.2), its matmuls as transformers 5.24's ``DeepseekV3Attention`` builds them
+    (``models/deepseek_v3/modeling_deepseek_v3.py``), for a model of width d:
+
+    - query: ``q_a_proj`` d x q_lora_rank (the compression), an RMSNorm, ``q_b_proj`` q_lora_rank x n_head (d_nope +
+      d_rope) (the up-projection);
+    - key and value: ``kv_a_proj_with_mqa`` d x (kv_lora_rank + d_rope) (the compressed latent and the one decoupled
+      RoPE key all heads share), an RMSNorm, ``kv_b_proj`` kv_lora_rank x n_head (d_nope + d_v) (keys' and values'
+      up-projection; training applies it to every token, nothing is absorbed);
+    - output: ``o_proj`` n_head d_v x d;
+    - scores q.k over d_qk = d_nope + d_rope per head, the weighted sum of values over d_v per head.
+
+    DeepSeek-V3 (report, section 4.2; transformers' ``DeepseekV3Config`` defaults): 128 heads, d_nope 128, d_rope 64,
+    d_v 128, kv_lora_rank 512, q_lora_rank 1,536, in a model of width 7,168: ``MLASpec(128, 1536, 512, 128, 64, 128)``.
+    """
+
+    n_head: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one head's q.k product: d_nope + d_rope (DeepSeek-V3: 192)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def matmul_params(self, d_model: int) -> int:
+        """Weights of one layer's attention matmuls (the class docstring's five projections)."""
+        h = self.n_head
+        q = d_model * self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim
+        kv = d_model * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * h * (
+            self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + h * self.v_head_dim * d_model
+
+    def params(self, d_model: int) -> int:
+        """Every parameter of one layer's attention: the matmuls and the two RMSNorms of the latents."""
+        return self.matmul_params(d_model) + self.q_lora_rank + self.kv_lora_rank
+
+    def core_flops_per_token(self, seq_len: int, causal: bool = False, training: bool = True) -> float:
+        """FLOPs per token of one layer's score and value matmuls: forward 2 s n_head d_qk (q.k) + 2 s n_head d_v
+        (weights times values), training 3 x that; over the full s x s matrix, as :func:`attention_flops_per_token`
+        counts multi-head attention (its 12 L s d is this with d_qk = d_v = d / n_head); ``causal=True`` halves it."""
+        f = 2 * seq_len * self.n_head * (self.qk_head_dim + self.v_head_dim) * (3 if training else 1)
+        return f / 2 if causal else f
 
 
 def training_flops(n_params: float, n_tokens: float) -> float:
@@ -165,7 +223,7 @@ def megatron_code_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) 
     plus the MLP ``6 h d_ff x ffn_expansion_factor`` per layer and the logits ``6 h V`` (V: Megatron's
     ``args.padded_vocab_size``; the course's vocabulary here), all per token. The
     matmul weights are the course's N; the attention matrix is the causal half, 6 L T d: the count equals
-    ``flops_per_token(cfg, causal=True)`` (Kaplan's convention), on GPT, SwiGLU and grouped-query blocks alike. The
+    ``flops_per_token(cfg, causal=True)`` (the causal half), on GPT, SwiGLU and grouped-query blocks alike. The
     paper's formula (:func:`megatron_flops_per_token`) counts the full matrix, 12 L T d. No recomputation is counted.
     """
     s = cfg.seq_len if seq_len is None else seq_len

@@ -107,8 +107,10 @@ inside the data-parallel line (stride tp), ep groups are blocks of ep consecutiv
 ep group spans tp x ep ranks and stays inside a node when tp x ep divides the GPUs per node (`link(stride=tp,
 size=ep)`); the expert-dp group is ep x tp apart. Left out: load imbalance and dropped tokens (uniform routing),
 the router's auxiliary losses, the all-to-all's two hops (NVLink then IB, DeepSeek-V3's node-limited routing),
-MLA, FP8, and the first dense blocks' own MLP width in the activation count (DeepSeek-V3: 18,432 = 8 x 2,048 +
-2,048, equal).
+FP8, and the first dense blocks' own MLP width in the activation count (DeepSeek-V3: 18,432 = 8 x 2,048 + 2,048,
+equal). Multi-head latent attention (``moe.mla``, `flops.MLASpec`) enters the parameters and the FLOPs (compute and
+the recomputed attention core), not the activation count or the K/V width of CP, which read the config's heads; the
+multi-token prediction modules (``moe.mtp_depth``) enter the FLOPs only, not the memory.
 """
 
 from __future__ import annotations
@@ -481,15 +483,17 @@ def ep_refusals(layout: Layout, moe: MoESpec | None) -> list[str]:
 
 def moe_stage_params(cfg: ModelConfig, moe: MoESpec | None, tp: int, pp: int, stage: str = "first") -> dict:
     """{"dense", "experts"}: parameters on one GPU of a pipeline stage before ep and ZeRO. ``dense``: `stage_params`
-    with each MoE block's MLP replaced by its router and shared experts; ``experts``: the routed experts of the
-    stage's MoE blocks, 3 C F E each, / tp. The first stage holds blocks 0 .. ceil(L/pp) - 1 (the first dense blocks
-    among them), the last the last ceil(L/pp). Without ``moe``: (`stage_params`, 0)."""
+    with each MoE block's MLP replaced by its router and shared experts (and every block's attention by ``moe.mla``'s
+    where given); ``experts``: the routed experts of the stage's MoE blocks, 3 C F E each, / tp. The first stage
+    holds blocks 0 .. ceil(L/pp) - 1 (the first dense blocks among them), the last the last ceil(L/pp). Without ``moe``: (`stage_params`, 0)."""
     dense = stage_params(cfg, tp, pp, stage)
     if moe is None:
         return dict(dense=dense, experts=0)
     per = math.ceil(cfg.n_layer / pp)
     n = moe.moe_layers(cfg, 0 if stage == "first" else cfg.n_layer - per, per)
-    return dict(dense=dense + n * moe.dense_delta(cfg) // tp, experts=n * moe.expert_params(cfg) // tp)
+    blocks = min(per, cfg.n_layer)
+    return dict(dense=dense + (n * moe.dense_delta(cfg) + blocks * moe.attention_delta(cfg)) // tp,
+                experts=n * moe.expert_params(cfg) // tp)
 
 
 def moe_extra_layer_bytes(cfg: ModelConfig, moe: MoESpec | None, tp: int, seq_len: int, micro_batch: int = 1) -> int:
@@ -512,7 +516,8 @@ def ep_layer_time(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, moe: 
 
 
 def step_flops(cfg: ModelConfig, global_batch: int, seq_len: int, moe: MoESpec | None = None) -> float:
-    """Model FLOPs of a step: `flops.step_flops`, or with ``moe`` 6 N_active + attention per token."""
+    """Model FLOPs of a step: `flops.step_flops`, or with ``moe`` `MoESpec.flops_per_token` (6 N_active + attention,
+    MLA's and the multi-token prediction modules' where given) per token."""
     if moe is None:
         return flops.step_flops(cfg, global_batch, seq_len)
     return moe.flops_per_token(cfg, seq_len) * global_batch * seq_len
@@ -640,7 +645,7 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     # layer in backward, before its reduce-scatter, is left out)
     # (a MoE block's dense part and its ep rank's experts)
     block = layer_params(cfg) if moe is None else (
-        layer_params(cfg) + moe.dense_delta(cfg) + moe.expert_params(cfg) // ep)
+        layer_params(cfg) + moe.dense_delta(cfg) + moe.attention_delta(cfg) + moe.expert_params(cfg) // ep)
     gathered = 2 * 2 * block / tp if layout.zero == 3 else 0
     edp = max(1, dp * cp // ep)                                         # expert-data-parallel ranks
     split = {}
@@ -663,7 +668,9 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
         why.append(f"needs {memory['total'] / GiB:.1f} GiB per GPU ({memory_stage} stage) > {gpu.mem_gb:g} GiB")
 
     model_flops = step_flops(cfg, global_batch, s, moe)
-    attn = 4 * s * s * cfg.d_model                                      # attention core, forward, per sequence
+    # attention core, forward, per sequence and layer: 4 s^2 d, or MLA's (`flops.MLASpec.core_flops_per_token`)
+    mla = None if moe is None else moe.mla
+    attn = 4 * s * s * cfg.d_model if mla is None else mla.core_flops_per_token(s, training=False) * s
     layer_fwd = 24 * s * cfg.d_model ** 2 + attn
     # executed / model FLOPs: full recomputation runs the forward twice, 2 + 2 + 4 = 8 FLOPs per parameter per
     # token instead of 2 + 4 = 6 (Narayanan et al. 2021, appendix: 96 B s l h^2 with recomputation, 72 without)
