@@ -3,7 +3,9 @@
 Pure functions: the orders validate and simulate for many (p, v, m); the activations they hold equal
 `theory.pipeline.interleaved_in_flight` / 1F1B's; the simulated bubble equals the formulas (assumptions: equal chunks,
 free communication, t_f and t_b per chunk for interleaving; t_F = t_B = t_W and m >= p for ZB-H1); every rank's
-messages, replayed as NCCL runs them, never deadlock, and count v times 1F1B's; bad input is refused by name.
+messages, replayed as NCCL runs them, never deadlock, and count 2 (v p - 1) per micro-batch ((v p - 1) / (p - 1)
+times 1F1B's: 3 at p = v = 2, not v); a measured step replayed from its op times ignores one stretched op; bad input
+is refused by name.
 Distributed: one launch on 2 gloo ranks and one on 4 (v = 2) run our 1F1B, interleaved 1F1B and ZB-H1 and PyTorch's
 ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble on the same model and micro-batches:
 loss and every gradient equal to one process (fp32, rtol 1e-5, atol 1e-6: summation order only; a missing W or a
@@ -108,7 +110,7 @@ def test_validate_order_refuses_wrong_orders():
         simulate(bad)
 
 
-def test_messages_never_deadlock_and_count_v_times_1f1b():
+def test_messages_never_deadlock_and_count_2_vp_minus_1_per_microbatch():
     def posts(plan):
         return [[(kind, peer) for kind, peer, _ in batch] for batch in plan if batch]
 
@@ -128,6 +130,50 @@ def test_messages_never_deadlock_and_count_v_times_1f1b():
     orders = schedule_orders("interleaved", 2, 4, 2)
     naive = [[[(k, 1 - r) for k, _, _ in b] for b in _adjacent_like(o, r)] for r, o in enumerate(orders)]
     assert replay_pairs([[b for b in pl if b] for pl in naive]) != []
+
+
+def test_interleaving_sends_three_times_1f1b_at_p_2_v_2():
+    """Lesson 03's "(vp - 1)/(p - 1) times as many": counted from the sends of the course's own schedules, 3 at p = v = 2
+    (6 messages per micro-batch against 2), 7/3 at p = 4, v = 2."""
+    def sends(kind, p, v, m):
+        orders = schedule_orders(kind, p, m, v)
+        return sum(1 for r in range(p) for b in p2p_plan(orders, r) for x in b if x[0] == "S")
+
+    assert sends("interleaved", 2, 2, 4) == 6 * 4 and sends("1f1b", 2, 1, 4) == 2 * 4
+    assert sends("interleaved", 2, 2, 4) == 3 * sends("1f1b", 2, 1, 4)
+    assert sends("interleaved", 4, 2, 8) * 3 == 7 * sends("1f1b", 4, 1, 8)
+
+
+def test_replay_of_a_measured_step_ignores_one_stretched_op():
+    """`experiments.replayed`: an ideal timeline replays to itself; one op stretched 5x (the scheduler, not the schedule)
+    leaves the replay unchanged, while the raw bubble moves."""
+    for kind, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+        ideal = simulate(schedule_orders(kind, 4, 8, v), t_f=1.0, t_b=2.0, t_w=1.0)
+        measured = [[dict(op) for op in ops] for ops in ideal]
+        op = measured[3][5]
+        op["end"] = op["start"] + 5 * (op["end"] - op["start"])
+        for tl in (ideal, measured):
+            replay = pipeline_lab.replayed(tl)
+            assert [[(o["kind"], o["mb"], o["chunk"], o["start"], o["end"]) for o in ops] for ops in replay] == \
+                [[(o["kind"], o["mb"], o["chunk"], o["start"], o["end"]) for o in ops] for ops in ideal], kind
+        assert bubble_of(measured) != bubble_of(ideal)
+        assert pipeline_lab.span_of(pipeline_lab.replayed(measured)) == pipeline_lab.span_of(ideal)
+
+
+def test_a_measured_step_is_drawn_replayed_and_raw_only_with_a_core_per_rank():
+    """Lesson 03's charts: the replay always, labelled and naming the hardware; the raw timeline only when own_cores."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from course_lib.lessons.l03_pipeline_parallel import report
+
+    tl = simulate(schedule_orders("interleaved", 2, 4, 2), t_f=1.0, t_b=2.0)
+    for own, panels in ((False, 1), (True, 2)):
+        fig = report.step_gantt(tl, "CPU: test, gloo", "interleaved, p=2", own)
+        titles = [ax.get_title() for ax in fig.axes]
+        assert len(titles) == panels
+        assert "replayed from measured per-op times" in titles[0] and "CPU: test, gloo" in titles[0]
+        assert own == any("measured (idle" in t and "CPU: test, gloo" in t for t in titles[1:])
+        matplotlib.pyplot.close(fig)
 
 
 def _adjacent_like(order, rank, p=2, v=2):

@@ -88,14 +88,15 @@ def one_f_one_b_order(p: int, m: int, rank: int) -> list[Op]:
 def validate_interleaving(p: int, v: int, m: int, n_layers: int | None = None) -> None:
     """Refuse what interleaved 1F1B cannot run, naming the field and the fix (before anything launches).
 
-    Megatron-LM's interleaved schedule takes micro-batches in groups of p per chunk, so m must be a multiple of p;
+    The course's interleaved schedule takes micro-batches in groups of p per chunk, so m must be a multiple of p (as
+    Megatron-LM required before November 2024, and Megatron-core today with its default group size);
     every one of the v p chunks gets the same number of blocks, so n_layers must be a multiple of p v."""
     if p < 1 or v < 1 or m < 1:
         raise ValueError(f"need p >= 1 stages, v >= 1 chunks per rank and m >= 1 micro-batches; got p={p}, v={v}, "
                          f"m={m}")
     if m % p:
         raise ValueError(f"m={m} micro-batches cannot be interleaved over p={p} stages: interleaved 1F1B runs "
-                         f"micro-batches in groups of p per chunk (as Megatron-LM requires), so use m a multiple "
+                         f"micro-batches in groups of p per chunk (as Megatron-core does with its default group size), so use m a multiple "
                          f"of {p}, e.g. m={p * -(-m // p)}")
     if n_layers is not None:
         if p > n_layers:

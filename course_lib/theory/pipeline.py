@@ -7,7 +7,8 @@ p stages, m micro-batches, t_f / t_b the forward / backward time of one micro-ba
   Megatron-LM states it relative to the ideal time instead: bubble / ideal = (p - 1) / m.
 - Interleaved 1F1B (Narayanan et al. 2021, section 2.2): each rank holds v model chunks, so a stage's
   forward costs t_f / v and the ramp-up shrinks v times: bubble / ideal = (p - 1) / (v m), i.e. a
-  fraction (p - 1) / (v m + p - 1) of the step, at the price of v times more point-to-point messages.
+  fraction (p - 1) / (v m + p - 1) of the step, at the price of more point-to-point messages: 2 (v p - 1) per
+  micro-batch against 1F1B's 2 (p - 1), (v p - 1) / (p - 1) times as many (3 at p = v = 2; near v for large p).
 - Zero-bubble (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward splits into B (gradient
   w.r.t. the input, on the critical path) and W (gradient w.r.t. the weights, which nothing downstream
   waits for). Scheduling W into the idle slots, ZB-H1 leaves (p - 1)(t_F + t_B - t_W) of idle time per

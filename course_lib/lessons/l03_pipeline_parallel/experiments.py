@@ -19,7 +19,8 @@ from course_lib.parallel.pipeline_messages import p2p_plan
 from course_lib.parallel.pipeline_schedules import bubble_of, schedule_orders, simulate, split_stages
 
 __all__ = ["pipeline_config", "bubble_config", "rank_step", "rank_torch_step", "rank_correctness",
-           "rank_bubble_sweep", "rank_memory", "rank_torch_chunked_step", "rank_beyond_1f1b", "op_times", "bubble_rows"]
+           "rank_bubble_sweep", "rank_memory", "rank_torch_chunked_step", "rank_beyond_1f1b", "op_times", "replayed",
+           "span_of", "bubble_rows"]
 
 CHUNKED = ("interleaved",)          # schedules whose ranks hold v model chunks
 
@@ -186,26 +187,49 @@ def op_times(timelines: list[list[dict]]) -> dict[str, float]:
             for k in kinds}
 
 
+def replayed(timelines: list[list[dict]]) -> list[list[dict]]:
+    """A measured step replayed by `simulate`: every rank runs the ops it ran, in the order it ran them, each op lasting
+    the median measured duration of its kind (F, B, W) and chunk on that rank; messages are instant and nothing else
+    waits. What the schedule gives with these op times, without the operating system's scheduler: on a shared or
+    oversubscribed CPU one op can be stretched several times by a rank that was not running, and the raw timeline then
+    shows the scheduler, not the schedule (lesson 03, sections 8 and 9)."""
+    orders, durations = [], []
+    for ops in timelines:
+        by_op: dict[tuple, list[float]] = {}
+        for op in ops:
+            by_op.setdefault((op["kind"], op.get("chunk", 0)), []).append(op["end"] - op["start"])
+        median = {k: statistics.median(v) for k, v in by_op.items()}
+        orders.append([(op["kind"], op["mb"], op.get("chunk", 0)) for op in ops])
+        durations.append([median[(op["kind"], op.get("chunk", 0))] for op in ops])
+    return simulate(orders, durations=durations)
+
+
+def span_of(timelines: list[list[dict]]) -> float:
+    """Length of a step: from the first op's start to the last op's end over all ranks (seconds)."""
+    ops = [op for r in timelines for op in r]
+    return max(op["end"] for op in ops) - min(op["start"] for op in ops)
+
+
 def bubble_rows(sweep: dict, p: int, v: int = 2) -> list[dict]:
-    """Per (schedule, m) of a `rank_bubble_sweep`: the measured bubble; the simulated one (`simulate` of the same
-    orders with every op's measured duration, instant messages and no other waiting: unequal chunks and slow ops
-    count, message time and waiting do not); and the formula's, with the median F, B, W times where it needs them:
-    (p-1)/(m+p-1) for 1F1B, (p-1)/(v m+p-1) for interleaved, `theory.pipeline.zero_bubble_fraction` for ZB-H1.
-    The formulas assume equal stages (chunks) and free messages."""
+    """Per (schedule, m) of a `rank_bubble_sweep`: the measured bubble; the replayed one (`replayed`: the same ops
+    with the median measured duration of each kind and chunk per rank, instant messages and no other waiting: unequal
+    chunks and slow ops count, message time and the scheduler do not) and its step time ``replayed_span`` (seconds);
+    and the formula's, with the median F, B, W times where it needs them: (p-1)/(m+p-1) for 1F1B, (p-1)/(v m+p-1) for
+    interleaved, `theory.pipeline.zero_bubble_fraction` for ZB-H1. The formulas assume equal stages (chunks) and free
+    messages."""
     from course_lib import theory
 
     rows = []
     for (kind, m), r in sweep.items():
         t = op_times(r["timelines"])
-        orders = schedule_orders(kind, p, m, v if kind in CHUNKED else 1)
-        durations = [[op["end"] - op["start"] for op in ops] for ops in r["timelines"]]
-        simulated = bubble_of(simulate(orders, durations=durations))
+        replay = replayed(r["timelines"])
         if kind == "interleaved":
             formula = theory.pipeline.interleaved_bubble_fraction(p, m, v)
         elif kind == "zb-h1":
             formula = theory.pipeline.zero_bubble_fraction(p, m, t["F"], t["B"], t["W"])
         else:
             formula = theory.pipeline.bubble_fraction(p, m)
-        rows.append(dict(kind=kind, m=m, measured=r["bubble"], bubbles=r["bubbles"], simulated=simulated,
-                         formula=formula, times=t))
+        rows.append(dict(kind=kind, m=m, measured=r["bubble"], bubbles=r["bubbles"], simulated=bubble_of(replay),
+                         replayed_span=span_of(replay), measured_span=span_of(r["timelines"]), formula=formula,
+                         times=t))
     return rows

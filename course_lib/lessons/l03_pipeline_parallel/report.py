@@ -1,6 +1,9 @@
 """Lesson 03's figures: the Gantt chart of a pipelined step, the bubble over m, activation peaks.
 
-Each returns the ``Figure``; titles name the hardware and backend.
+Each returns the ``Figure``; titles name the hardware and backend. A measured step is drawn as replayed from its
+measured per-op times (`experiments.replayed`), and the raw measurement beside it only where every rank had a core
+(or a GPU) of its own: with more ranks than cores the raw timeline shows the operating system's scheduler, not the
+pipeline's schedule.
 """
 
 from __future__ import annotations
@@ -9,9 +12,16 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from course_lib.lessons.display import COLORS
+from course_lib.lessons.l03_pipeline_parallel.experiments import replayed
 from course_lib.parallel.pipeline_schedules import bubble_of
 
-__all__ = ["pipeline_gantt", "schedules_gantt", "bubble_figure", "activation_peaks_figure"]
+__all__ = ["pipeline_gantt", "step_gantt", "schedules_gantt", "bubble_figure", "activation_peaks_figure"]
+
+REPLAYED = "replayed from measured per-op times"
+
+
+def _replay_label(hardware: str) -> str:
+    return f"op times measured on {hardware}; messages instant"
 
 
 def pipeline_gantt(timelines: list[list[dict]], hardware: str, title: str = "Pipeline timeline", ax=None,
@@ -47,11 +57,28 @@ def pipeline_gantt(timelines: list[list[dict]], hardware: str, title: str = "Pip
     return fig if fig is not None else ax.figure
 
 
-def schedules_gantt(timelines: dict[str, list[list[dict]]], hardware: str, xlabel: str = "time (s)"):
-    """One Gantt chart per schedule, stacked on a common time axis (lesson 03, section 9)."""
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 1.6 * len(timelines) + 0.6), sharex=True)
-    for ax, (name, tl) in zip(np.atleast_1d(axes), timelines.items()):
-        pipeline_gantt(tl, hardware, title=name, ax=ax, xlabel=xlabel)
+def step_gantt(measured: list[list[dict]], hardware: str, title: str, own_cores: bool):
+    """One measured step (``measured[rank]``: run_schedule's timeline): on top its replay (`experiments.replayed`,
+    labelled "replayed from measured per-op times"); below it the raw measurement, labelled as measured, only when
+    ``own_cores`` (every rank had its own core or GPU). Returns the ``Figure``."""
+    return schedules_gantt({title: measured}, hardware, own_cores)
+
+
+def schedules_gantt(measured: dict[str, list[list[dict]]], hardware: str, own_cores: bool, xlabel: str = "time (s)"):
+    """Per schedule (``measured[name]``: all ranks' measured timelines of one step), its replay from the measured
+    per-op times, followed by the raw measurement when ``own_cores`` (every rank had its own core or GPU), all on a
+    common time axis (lesson 03, sections 2-9)."""
+    panels = []
+    for name, tl in measured.items():
+        panels.append((f"{name}, {REPLAYED}", replayed(tl), _replay_label(hardware)))
+        if own_cores:
+            panels.append((f"{name}, measured", tl, hardware))
+    rows = sum(len(tl) for _, tl, _ in panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 0.45 * rows + 0.9 * len(panels) + 0.3), sharex=True,
+                             gridspec_kw=dict(height_ratios=[len(tl) for _, tl, _ in panels]))
+    axes = np.atleast_1d(axes)
+    for k, (ax, (name, tl, label)) in enumerate(zip(axes, panels)):
+        pipeline_gantt(tl, label, title=name, ax=ax, xlabel=xlabel if k == len(panels) - 1 else "")
     fig.tight_layout()
     return fig
 
