@@ -263,7 +263,8 @@ def test_llama3_128k_row_is_table_4_row_3_and_feasible():
     """Llama 3's table 4, row 3 (16,384 H100s, TP 8, CP 16, PP 16, sequence 131,072, batch size/DP 16, 16M
     tokens, 380 TFLOP/s, 38 % MFU) beside its two 8K rows: the same source, cluster and tokens per batch; the
     published shape fits in 80 GiB and ranks among the planner's feasible layouts, with the reason printed. The
-    table prints DP 4, which its own GPUs and tokens contradict (both give 8): the note says so, and DP 8 is used."""
+    table prints DP 4 in some versions (the arXiv HTML; the v3 PDF's transcriptions print 8), which its own GPUs and
+    tokens contradict (both give 8): the note says so, and DP 8 is used."""
     r = published.LLAMA3_128K
     k16, k8 = (next(p for p in PUBLISHED if p.name == n) for n in ("Llama 3 405B, 16K GPUs", "Llama 3 405B, 8K GPUs"))
     assert (r.cluster.n_gpus, r.tp, r.cp, r.pp, r.dp, r.seq_len) == (16384, 8, 16, 16, 8, 131072)

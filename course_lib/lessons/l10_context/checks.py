@@ -64,12 +64,12 @@ def check_merge_lse(merge_lse) -> list[dict]:
             check_true(f"merge_lse, {name}, {order}: output has no nan/inf", bool(torch.isfinite(out).all()),
                        hint="a row that sees no key in one block has lse = -inf there: its weight must be 0, not nan")
             check_close(f"merge_lse, {name}, {order}: max |output - attention over all keys|", err, 0.0, atol=ATOL,
-                        rtol=0, hint="weight each output by exp(its lse - the merged lse): its share of the "
-                                     "softmax denominator; the weights of the two must add up to 1")
+                        rtol=0, hint="each block's output counts as much as its share of the whole row's softmax "
+                                     "denominator, which its lse records (section 3)")
             ref_lse = torch.logsumexp(s, -1)
             check_close(f"merge_lse, {name}, {order}: max |lse - logsumexp over all keys| / max(1, |logsumexp|)",
                         ((lse - ref_lse).abs() / ref_lse.abs().clamp_min(1)).max().item(), 0.0, atol=ATOL, rtol=0,
-                        hint="the merged lse is log(exp(lse_a) + exp(lse_b)), computed without overflow")
+                        hint="the merged lse is the log of the whole row's denominator; see torch.logaddexp")
             rows.append(dict(case=name, order=order, max_err=err))
     return rows
 
@@ -114,12 +114,12 @@ def check_balanced_split(balanced_chunks, step_masks, cps=(1, 2, 3, 4)) -> dict:
                 check_equal(f"step_masks(cp={cp}, rank={r}, step={t}) (rows: my chunks {chunks[r]}, columns: the "
                             f"chunks {chunks[src]} of rank {src}'s K/V)", [list(m) for m in masks],
                             [[_kind(qc, kc) for kc in chunks[src]] for qc in chunks[r]],
-                            hint="at step t the rank holds rank (r - t) % cp's K/V; a key chunk before the query "
-                                 "chunk is 'full', the same chunk 'causal', a later one 'skip'")
+                            hint="the columns are the chunks of the rank named in this line; compare each query "
+                                 "chunk's position with each key chunk's (the exercise's three kinds)")
                 pairs += sum(m != "skip" for row in masks for m in row)
             work[cp].append(pairs)
         check_equal(f"chunk pairs computed per rank, cp={cp}", work[cp], [2 * cp + 1] * cp,
-                    hint="balanced: every rank computes 2cp + 1 chunk pairs")
+                    hint="balanced: every rank computes the same number of chunk pairs; count each step's")
     return work
 
 
