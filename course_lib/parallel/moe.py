@@ -23,10 +23,12 @@ times ours. Computed per group of tokens (below) and averaged over the groups.
 **Capacity** (GShard, Lepikhin et al. 2020; Switch): an expert takes at most
 ``capacity = ceil(capacity_factor * S * k / E)`` of a group's S tokens; the rest are dropped (their output from the
 experts is 0: the residual stream carries them). Order of priority here: every token's first choice before any
-second choice, then by position (as DeepSpeed 0.19.8's ``top2gating`` places them). Libraries differ: GShard sends a
-token to its second expert at random, in proportion to its weight (section 2.2); DeepSpeed's ``top1gating`` keeps a
-random subset of an over-full expert's tokens by default (``use_rts=True``); Megatron-LM drops the lowest
-probabilities by default (``moe_token_drop_policy="probs"``). ``groups``: the tokens of a batch are cut into
+second choice, then by position (as DeepSpeed 0.19.8's ``top2gating`` places them). Libraries differ: GShard also serves
+first choices first and sends a token to its second-best expert only with probability proportional to its weight
+(section 2.2, "random routing", as its lingvo/praxis reference code does it); DeepSpeed's ``top1gating`` keeps a
+random subset of an over-full expert's tokens by default (``use_rts=True``); Megatron-LM drops nothing by default
+(``moe_expert_capacity_factor=None``) and, with a capacity factor, the lowest probabilities
+(``moe_token_drop_policy="probs"``). ``groups``: the tokens of a batch are cut into
 ``groups`` equal contiguous groups and capacity and the loss are per group (GShard's "groups"): one process with
 ``groups = dp`` is what dp ranks with one group each compute (`course_lib.parallel.experts`).
 

@@ -297,11 +297,11 @@ DEEPSEEK_V3 = PublishedRun(
     overlap="dp", kernels="fused", flop_count="model", scored=False, model=DEEPSEEK_V3_CFG, moe=DEEPSEEK_V3_MOE,
     ep=64,
     note="DeepSeek-V3 technical report (DeepSeek-AI 2024, arXiv 2412.19437), as issue 32 transcribes it and issue "
-         "43 corrects its attention (the PDF was not re-read here). Section 3.1: 2,048 NVIDIA H800 GPUs, 8 per node "
+         "43 corrects its attention (checked against the arXiv v2 HTML in issue 43's review). Section 3.1: 2,048 NVIDIA H800 GPUs, 8 per node "
          "on NVLink/NVSwitch, InfiniBand across nodes. Section 3.2: HAI-LLM, 16-way pipeline parallelism (PP, "
-         "DualPipe), 64-way expert parallelism (EP) spanning 8 nodes, ZeRO-1 data parallelism (DP); 'we do not use "
-         "costly tensor parallelism' (tp 1); section 3.2.2: NVLink 160 GB/s, IB 50 GB/s (inter_gbs_per_gpu 50); "
-         "section 3.2.3: recomputation of RMSNorm and MLA up-projections only. Section 4.2: 61 layers, hidden 7,168, "
+         "DualPipe), 64-way expert parallelism (EP) spanning 8 nodes, ZeRO-1 data parallelism (DP); 'without using "
+         "costly Tensor Parallelism (TP)' (tp 1); section 3.2.2: NVLink 160 GB/s, IB 50 GB/s (inter_gbs_per_gpu 50); "
+         "section 3.2.3: recomputation of all RMSNorm operations and the MLA up-projections (and, section 3.3.3, the MoE SwiGLU's output from cached FP8 inputs). Section 4.2: 61 layers, hidden 7,168, "
          "MLA with 128 heads of 128 (q.k adds 64 decoupled RoPE dimensions: 192), KV compression 512, query "
          "compression 1,536 (the same numbers are transformers 5.24's DeepseekV3Config defaults); first 3 layers "
          "dense (FFN 18,432), then 1 shared + 256 routed experts of 2,048, 8 activated; 671B total, 37B active; "
@@ -323,7 +323,7 @@ DEEPSEEK_V3 = PublishedRun(
          "two-hop all-to-all.",
     why_not="The published shape's best feasible row is {shape_best} ({shape_best_gib:.0f} GiB per GPU); without "
             "recomputation it needs {none_gib:.0f} GiB > {capacity:g} GiB ({in_flight} micro-batches of {layers} "
-            "layers in flight on the first stage; DeepSeek recomputes only RMSNorm and the MLA up-projections, "
+            "layers in flight on the first stage; DeepSeek recomputes only RMSNorm, the MLA up-projections and the MoE SwiGLU output, "
             "which the planner cannot express), so its row recomputes ({recompute_share:.0%} of its step). The "
             "all-to-alls of ep {ep} cross nodes (ep x tp = {ep_span} ranks > 8 per node) and are exposed: "
             "{ep_share:.0%} of the step, where DualPipe hides them behind another micro-batch's compute. The "
