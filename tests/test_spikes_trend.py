@@ -62,3 +62,21 @@ def test_trend_rows_replays_both_detectors_on_a_runs_records():
     assert "z of the spike (step 14)" in report.trend_table(rows, 14)
     with pytest.raises(ValueError, match="never rewound"):
         experiments.trend_rows(clean[:5] + clean[3:], spiked, 14)
+
+
+def test_the_detrended_z_of_pure_noise_is_students_t_with_n_minus_2_degrees_of_freedom():
+    """Scaled by the prediction error, not by the residuals' spread alone (which would give about 1.9 at window 6)."""
+    rng = random.Random(1)
+    for window in (6, 14):
+        z = []
+        for _ in range(300):
+            values = [rng.gauss(0.0, 1.0) for _ in range(60)]
+            z += replay_zscores(values, DetrendedSpikeDetector(window=window, warmup=window, z=1e9))[window:]
+        spread = math.sqrt(sum(v * v for v in z) / len(z) - (sum(z) / len(z)) ** 2)
+        assert spread == pytest.approx(math.sqrt((window - 2) / (window - 4)), rel=0.05), (window, spread)
+    det = DetrendedSpikeDetector(window=6, warmup=6)
+    for v in (0.0, 1.0, 0.0, 1.0, 0.0, 1.0):
+        det.update(v)
+    s_r = math.sqrt(sum((v - 0.5 - (3 / 35) * (t - 2.5)) ** 2 for t, v in enumerate((0, 1, 0, 1, 0, 1))) / 4)
+    line_at_6 = 0.5 + (3 / 35) * (6 - 2.5)
+    assert det.zscore(2.0) == pytest.approx((2.0 - line_at_6) / (s_r * math.sqrt(1 + 1 / 6 + 3.5 ** 2 / 17.5)))

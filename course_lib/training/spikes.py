@@ -20,8 +20,8 @@ A trend fools the plain window. A young run's loss falls step after step, so the
 current value and its standard deviation measures the fall, not the noise: a spike's z-score shrinks as the window
 grows (lesson 09, section 7.1, measures it on the same run). `DetrendedSpikeDetector` fits a straight line to the
 window (least squares over the steps at which the values came), extrapolates it to the step judged, and takes the
-z-score of the residual against the residuals' own spread. The training script uses the plain detector, with a
-short window (configs/tiny_spike.toml).
+z-score of the residual against the error of that extrapolation (the residuals' spread, widened for predicting a
+value past the window). The training script uses the plain detector, with a short window (configs/tiny_spike.toml).
 
 What large runs do on a spike (Chowdhery et al. 2022, PaLM, section 5.1): "we re-started training from a
 checkpoint roughly 100 steps before the spike started, and skipped roughly 200–500 data batches, which cover the
@@ -107,10 +107,17 @@ class SpikeDetector:
 class DetrendedSpikeDetector(SpikeDetector):
     """A `SpikeDetector` whose z-score is taken about the window's straight-line trend (needs warmup >= 3).
 
-    z = (value - line(t)) / s_r, with line the least-squares fit of the window's values against the indices t of
-    the `update` calls that brought them (a spike leaves a gap), t the index of this call, and s_r the residuals'
-    standard deviation with n - 2 degrees of freedom (two fitted coefficients). Same rules otherwise: no verdict
-    during the warm-up, a spike or a non-finite value never enters the window, only upward moves count."""
+    z = (value - line(t)) / se(t),   se(t) = s_r * sqrt(1 + 1/n + (t - t_mean)^2 / sum_i (t_i - t_mean)^2),
+
+    with line the least-squares fit of the window's n values against the indices t_i of the `update` calls that
+    brought them (a spike leaves a gap), t the index of this call, s_r the residuals' standard deviation with n - 2
+    degrees of freedom (two fitted coefficients), and se(t) the standard error of predicting one new value at t from
+    that line: the value's own noise (the 1) plus the fitted line's uncertainty, which grows with the distance from
+    the window's middle. On pure noise this z follows Student's t with n - 2 degrees of freedom (standard deviation
+    sqrt((n - 2) / (n - 4)): 1.41 at n = 6, 1.10 at n = 14; tests/test_spikes_trend.py replays it), near the plain
+    window's; divided by s_r alone it would spread wider (se/s_r = 1.37 for the next step after a full window of 6).
+    Same rules otherwise: no verdict during the warm-up, a spike or a non-finite value never enters the window, only
+    upward moves count."""
 
     def __init__(self, window: int = 20, warmup: int = 10, z: float = 6.0):
         super().__init__(window, warmup, z)
@@ -127,14 +134,15 @@ class DetrendedSpikeDetector(SpikeDetector):
         if n < self.warmup:
             return 0.0
         t_mean, v_mean = sum(self.times) / n, sum(self.values) / n
-        slope = (sum((t - t_mean) * (v - v_mean) for t, v in zip(self.times, self.values))
-                 / sum((t - t_mean) ** 2 for t in self.times))
+        sxx = sum((t - t_mean) ** 2 for t in self.times)
+        slope = sum((t - t_mean) * (v - v_mean) for t, v in zip(self.times, self.values)) / sxx
         s_r = math.sqrt(sum((v - v_mean - slope * (t - t_mean)) ** 2 for t, v in zip(self.times, self.values))
                         / (n - 2))
         residual = value - (v_mean + slope * (self.t - t_mean))
-        if s_r == 0.0:
+        se = s_r * math.sqrt(1 + 1 / n + (self.t - t_mean) ** 2 / sxx)     # one new value's prediction error
+        if se == 0.0:
             return 0.0 if residual <= 0 else math.inf
-        return residual / s_r
+        return residual / se
 
     def update(self, value: float) -> bool:
         spike = super().update(value)

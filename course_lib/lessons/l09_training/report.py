@@ -270,7 +270,8 @@ def spike_figure(clean: list[dict], spiked_passes: list[list[dict]], rows: list[
 
 def save_figure(timing: dict, hardware: str):
     """How long the training loop waits for a checkpoint: a synchronous DCP save, an asynchronous one (blocked:
-    until `save` returns; total: until the files are published), medians of `large_runs.async_save_timing`."""
+    until `save` returns; total: until the write ended, before `handle.result()` publishes the folder), medians of
+    `large_runs.async_save_timing`."""
     import matplotlib.pyplot as plt
 
     labels = ["sync save\n(loop blocked)", "async save\n(loop blocked)", "async save\n(until written)"]
