@@ -27,12 +27,22 @@ MIN_PER_EXERCISE = 4
 pytestmark = pytest.mark.slow
 
 
-def load_mistakes(lesson: str) -> list[tuple[str, str, str, str]]:
-    """``MISTAKES`` of tests/fixtures/grading/mistakes/l{lesson}.py: (exercise, what, code, match)."""
+def _fixture(lesson: str):
     spec = importlib.util.spec_from_file_location(f"mistakes_l{lesson}", FIXTURES / f"l{lesson}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.MISTAKES
+    return module
+
+
+def load_mistakes(lesson: str) -> list[tuple[str, str, str, str]]:
+    """``MISTAKES`` of tests/fixtures/grading/mistakes/l{lesson}.py: (exercise, what, code, match)."""
+    return _fixture(lesson).MISTAKES
+
+
+def load_accepted(lesson: str) -> list[tuple[str, str, str]]:
+    """``ACCEPTED`` of the same file, where it has one: (exercise, what, code), right answers that differ from the
+    solution in a choice the exercise's rules leave free; each must pass."""
+    return getattr(_fixture(lesson), "ACCEPTED", [])
 
 
 def solution_of(lesson: str) -> Path:
@@ -96,13 +106,21 @@ def _check_mistake(lesson: Lesson, exercise: str, what: str, code: str, match: s
 
 
 def lesson_class(number: str):
-    """A test class for lesson ``number``: every recorded mistake fails its exercise."""
+    """A test class for lesson ``number``: every recorded mistake fails its exercise; every recorded other right
+    answer passes it."""
     @pytest.mark.parametrize("exercise, what, code, match", _cases(number))
     def test_mistake_fails_its_exercise(self, lesson, exercise, what, code, match):
         _check_mistake(lesson, exercise, what, code, match)
 
-    return type(f"TestLesson{number}", (), {"LESSON": number,
-                                            "test_mistake_fails_its_exercise": test_mistake_fails_its_exercise})
+    members = {"LESSON": number, "test_mistake_fails_its_exercise": test_mistake_fails_its_exercise}
+    accepted = [pytest.param(e, w, c, id=f"{e}: {w}") for e, w, c in load_accepted(number)]
+    if accepted:
+        @pytest.mark.parametrize("exercise, what, code", accepted)
+        def test_other_right_answer_passes(self, lesson, exercise, what, code):
+            lesson.run_tests(exercise, code)
+
+        members["test_other_right_answer_passes"] = test_other_right_answer_passes
+    return type(f"TestLesson{number}", (), members)
 
 
 for _number in _lessons_with_fixtures():

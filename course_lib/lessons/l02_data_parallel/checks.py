@@ -3,8 +3,8 @@
 The test cells run these functions on gloo ranks with `launch.run`, passing the learner's function, and
 compare what comes back with a single-process reference. Two instruments make wrong answers visible:
 
-* `count_p2p_bytes()`: counts the bytes a rank hands to ``send``/``isend``/``batch_isend_irecv`` and
-  refuses collectives (a ring all-reduce must be built from point-to-point messages);
+* `count_p2p_bytes()`: counts the bytes a rank hands to ``send``/``isend``/``batch_isend_irecv``, notes the peer
+  of every send and receive, and refuses collectives (a ring all-reduce must be built from point-to-point messages);
 * `deferred_all_reduce()`: an asynchronous ``dist.all_reduce`` only reduces when its handle is waited on,
   so a DDP that forgets ``wait()`` gets un-reduced gradients every time, not just when it loses a race; it also
   counts the all-reduces started after backward and the handles waited on during it (either one loses the overlap).
@@ -70,18 +70,31 @@ def scale_vs(actual: dict, expected: dict) -> float:
 
 @contextlib.contextmanager
 def count_p2p_bytes():
-    """Count bytes sent with send/isend (batch_isend_irecv included); any collective raises. Yields a dict."""
+    """Count bytes sent with send/isend (batch_isend_irecv included) and the peers of every send and receive;
+    any collective raises. Yields a dict {'bytes_sent', 'sent_to', 'received_from'}."""
     from torch.distributed import distributed_c10d as c10d
 
-    stats = {"bytes_sent": 0}
-    real = {"send": c10d.send, "isend": c10d.isend}
-    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+    stats = {"bytes_sent": 0, "sent_to": set(), "received_from": set()}     # peers as ranks of the message's group
+    real = {"send": c10d.send, "isend": c10d.isend, "recv": c10d.recv, "irecv": c10d.irecv}
+
+    def peer(a, k, key):                # (dst or src, group, tag, group_dst or group_src), positional or not
+        group = a[1] if len(a) > 1 else k.get("group")
+        local = k.get(f"group_{key}", a[3] if len(a) > 3 else None)
+        if local is not None:
+            return local
+        glob = a[0] if a else k.get(key)
+        return glob if group is None or glob is None else dist.get_group_rank(group, glob)
 
     def counting(name):
         def fn(tensor, *a, **k):
-            stats["bytes_sent"] += tensor.numel() * tensor.element_size()
+            if name in ("send", "isend"):
+                stats["bytes_sent"] += tensor.numel() * tensor.element_size()
+                stats["sent_to"].add(peer(a, k, "dst"))
+            else:
+                stats["received_from"].add(peer(a, k, "src"))
             return real[name](tensor, *a, **k)
         return fn
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
 
     def refuse(name):
         def fn(*a, **k):
@@ -107,7 +120,8 @@ def count_p2p_bytes():
 def rank_try_ring(ring_fn, sizes, n_list=(None,)) -> list[dict]:
     """Run ``ring_fn(tensor, group)`` on integer-valued tensors (sums are exact) for every size in `sizes`
     and every group size in `n_list` (None: all ranks; k: ranks 0..k-1). Returns one record per call:
-    world size, numel, whether the result equals dist.all_reduce's, bytes sent, and an error if any."""
+    world size, numel, whether the result equals dist.all_reduce's, bytes sent, whether every message went to the
+    next rank and came from the previous one, and an error if any."""
     r, dev = dist.get_rank(), cdist.device()
     groups = {k: (None if k is None else dist.new_group(list(range(k)))) for k in n_list}  # all ranks create
     out = []
@@ -125,6 +139,9 @@ def rank_try_ring(ring_fn, sizes, n_list=(None,)) -> list[dict]:
                 with count_p2p_bytes() as stats:
                     result = ring_fn(t, group)
                 rec["bytes_sent"] = stats["bytes_sent"]
+                me = dist.get_rank(group)          # the ring's rules: send to r+1 only, receive from r-1 only
+                rec["neighbours_only"] = (stats["sent_to"] <= {(me + 1) % n}
+                                          and stats["received_from"] <= {(me - 1) % n})
                 rec["correct"] = bool(torch.equal(t, expected))
                 rec["returned_tensor"] = result is t or (isinstance(result, torch.Tensor) and torch.equal(result, t))
                 rec["max_error"] = float((t - expected).abs().max()) if numel else 0.0

@@ -70,9 +70,10 @@ def _try_column(cls, rec, group, dev):
     rows = slice(r * n, (r + 1) * n)
     layer = cls(full, group)
     rec.add("equal", "shape of the weight shard", list(layer.weight.shape), [n, IN],
-            "a column-parallel layer splits the OUTPUT features: rank r keeps rows r*out/t..(r+1)*out/t of weight (dim 0)")
+            "a column-parallel layer keeps a band of the OUTPUT features; nn.Linear's weight is (out, in)")
     rec.add("close", "weight shard = this rank's rows of the full weight (relative error)",
-            relative_error(layer.weight.detach(), full.weight.detach()[rows]), 0.0, "rows r*out/t..(r+1)*out/t, in rank order")
+            relative_error(layer.weight.detach(), full.weight.detach()[rows]), 0.0,
+            "the exercise text: which rows, in which order")
     xl = x.clone().requires_grad_()
     y, counter = _counted_step(layer, xl, w[..., rows])
     rec.add("equal", "collectives in forward", _calls(counter, "forward"), {},
@@ -80,11 +81,13 @@ def _try_column(cls, rec, group, dev):
     rec.add("equal", "collectives in backward", _calls(counter, "backward"), {"all_reduce": 1},
             "f's backward must all-reduce the input gradient: each rank holds only its output columns' part")
     rec.add("close", "output = this rank's columns of the full output (relative error)",
-            relative_error(y.detach(), full(x).detach()[..., rows]), 0.0, "y = F.linear(f(x), weight_shard, bias_shard)")
+            relative_error(y.detach(), full(x).detach()[..., rows]), 0.0,
+            "this rank's slice of the full layer, its input passed through f (lesson 04, the f and g operators)")
     rec.add("close", "input gradient = one process's (relative error)", relative_error(xl.grad, xr.grad), 0.0,
             "f's backward sums the partial input gradients of all ranks (dist.all_reduce)")
     rec.add("close", "weight gradient = this rank's rows of one process's (relative error)",
-            relative_error(layer.weight.grad, full.weight.grad[rows]), 0.0, "slice weight and bias along dim 0")
+            relative_error(layer.weight.grad, full.weight.grad[rows]), 0.0,
+            "the exercise text: which part of the weight and of the bias a rank keeps")
 
 
 def _try_row(cls, rec, group, dev):
@@ -98,9 +101,10 @@ def _try_row(cls, rec, group, dev):
     cols = slice(r * n, (r + 1) * n)
     layer = cls(full, group)
     rec.add("equal", "shape of the weight shard", list(layer.weight.shape), [IN, n],
-            "a row-parallel layer splits the INPUT features: rank r keeps columns r*in/t..(r+1)*in/t of weight (dim 1)")
+            "a row-parallel layer keeps a band of the INPUT features; nn.Linear's weight is (out, in)")
     rec.add("close", "weight shard = this rank's columns of the full weight (relative error)",
-            relative_error(layer.weight.detach(), full.weight.detach()[:, cols]), 0.0, "columns r*in/t..(r+1)*in/t")
+            relative_error(layer.weight.detach(), full.weight.detach()[:, cols]), 0.0,
+            "the exercise text: which columns, in which order")
     xl = x[..., cols].clone().requires_grad_()                          # this rank's input features
     y, counter = _counted_step(layer, xl, w)
     rec.add("equal", "collectives in forward", _calls(counter, "forward"), {"all_reduce": 1},
@@ -110,9 +114,11 @@ def _try_row(cls, rec, group, dev):
     rec.add("close", "output = one process's full output (relative error)", relative_error(y.detach(), full(x).detach()), 0.0,
             "sum the partial outputs with g, then add the bias once (after the sum, not on every rank)")
     rec.add("close", "input gradient = this rank's columns of one process's (relative error)",
-            relative_error(xl.grad, xr.grad[..., cols]), 0.0, "no communication in backward: g's backward returns grad unchanged")
+            relative_error(xl.grad, xr.grad[..., cols]), 0.0,
+            "no communication in backward: lesson 04's table of the f and g operators")
     rec.add("close", "weight gradient = this rank's columns of one process's (relative error)",
-            relative_error(layer.weight.grad, full.weight.grad[:, cols]), 0.0, "slice the weight along dim 1")
+            relative_error(layer.weight.grad, full.weight.grad[:, cols]), 0.0,
+            "the exercise text: which part of the weight a rank keeps")
     rec.add("close", "bias gradient = one process's (relative error)",
             relative_error(layer.bias.grad, full.bias.grad), 0.0, "the bias is whole on every rank and added after the sum")
 
@@ -143,10 +149,11 @@ def _try_mlp(cls, rec, group, dev):
     rec.add("close", "input gradient = one process's (relative error)", relative_error(xl.grad, xr.grad), 0.0,
             "fc must be column-parallel (f before it), proj row-parallel (g after it)")
     rec.add("close", "fc weight gradient = this rank's rows (relative error)",
-            relative_error(layer.fc.weight.grad, full.fc.weight.grad[r * n:(r + 1) * n]), 0.0, "self.fc = ColumnParallel(mlp.fc)")
+            relative_error(layer.fc.weight.grad, full.fc.weight.grad[r * n:(r + 1) * n]), 0.0,
+            "fc is the column-parallel layer (exercise 04-column-parallel)")
     rec.add("close", "proj weight gradient = this rank's columns (relative error)",
             relative_error(layer.proj.weight.grad, full.proj.weight.grad[:, r * n:(r + 1) * n]), 0.0,
-            "self.proj = RowParallel(mlp.proj)")
+            "proj is the row-parallel layer (exercise 04-row-parallel)")
 
 
 def _try_vocab_ce(fn, rec, group, dev):
@@ -170,15 +177,21 @@ def _try_vocab_ce(fn, rec, group, dev):
             loss = fn(local, targets, group)
         with counter.phase("backward"):
             loss.backward()
-    rec.add("close", "loss = F.cross_entropy of the full logits", float(loss), float(ref), "log(sum over ALL ranks of "
-            "exp(z - max)) - (z_target - max); the target logit lives on one rank only (the others add 0)", tol=1e-5)
+    rec.add("close", "loss = F.cross_entropy of the full logits", float(loss), float(ref), "the sum of "
+            "exponentials runs over the whole vocabulary, on ALL ranks; each target id belongs to one rank only", tol=1e-5)
     rec.add("close", "gradient of the local logits = this rank's columns of one process's (relative error)",
             relative_error(local.grad, full.grad[..., cols]), 0.0,
-            "sum exp and the target logit with reduce_from_tp (identity backward); subtract the max detached")
+            "the exercise's rules on the sums that cross ranks and on m")
+    with torch.no_grad():                       # exp(100) overflows fp32: a loss that skips the shift by m is inf/nan
+        big = logits + 100.0
+        ref_big = F.cross_entropy(big.flatten(0, 1), targets.flatten())
+        loss_big = fn(big[..., cols].clone(), targets, group)
+    rec.add("close", "loss with every logit raised by 100 (exp(100) is inf in fp32) = F.cross_entropy's",
+            float(loss_big), float(ref_big), "the exercise's rule on m: what is it there for?", tol=1e-4)
     moved = counter.bytes()
     rec.add("equal", "no rank gathers the full logits (bytes communicated < the local logits' size)",
             moved < local.numel() * local.element_size(), True,
-            "communicate (B, T) numbers (max, sum of exponentials, target logit), never (B, T, V) logits")
+            "the exercise's first rule: only per-token numbers cross between ranks")
 
 
 _TRIALS = {"column": _try_column, "row": _try_row, "mlp": _try_mlp, "vocab_ce": _try_vocab_ce}
