@@ -71,9 +71,13 @@ class SpikeDetector:
         """The z-score of ``value`` against the window (0.0 before `warmup` values; inf when not finite)."""
         if not math.isfinite(value):
             return math.inf
-        n = len(self.values)
-        if n < self.warmup:
+        if len(self.values) < self.warmup:
             return 0.0
+        return self._z(value)
+
+    def _z(self, value: float) -> float:
+        """The z-score of a finite ``value`` after the warm-up: about the window's mean."""
+        n = len(self.values)
         mean = sum(self.values) / n
         std = math.sqrt(sum((v - mean) ** 2 for v in self.values) / (n - 1))     # sample standard deviation
         if std == 0.0:
@@ -127,12 +131,8 @@ class DetrendedSpikeDetector(SpikeDetector):
         self.times: deque[int] = deque(maxlen=self.window)
         self.t = 0                  # the index of the next update() call
 
-    def zscore(self, value: float) -> float:
-        if not math.isfinite(value):
-            return math.inf
+    def _z(self, value: float) -> float:
         n = len(self.values)
-        if n < self.warmup:
-            return 0.0
         t_mean, v_mean = sum(self.times) / n, sum(self.values) / n
         sxx = sum((t - t_mean) ** 2 for t in self.times)
         slope = sum((t - t_mean) * (v - v_mean) for t, v in zip(self.times, self.values)) / sxx
