@@ -62,7 +62,7 @@ def check_grid(grid_coords: Callable, group_members: Callable) -> dict:
                             list(got) if isinstance(got, (list, tuple)) else got, ref.members(r, dim),
                             hint=f"the ranks whose coordinates equal rank {r}'s in every dimension but {dim}, "
                                  f"ordered by their {dim} coordinate")
-    res = run(_rank_learner_groups, 8, args=(group_members, 2, 2, 2), backend="gloo", stream=False, timeout_s=180)
+    res = run(_rank_learner_groups, 8, args=(group_members, 2, 2, 2), backend="gloo", stream=False, timeout_s=300)
     ref = cdist.GridLayout(dp=2, pp=2, tp=2)
     for r, sums in enumerate(res.returns):
         for dim in DIMS:
