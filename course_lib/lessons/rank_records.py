@@ -23,7 +23,13 @@ import torch.distributed as dist
 
 from course_lib.grading.check import check_close, check_equal
 
-__all__ = ["RankRecords", "replay_records"]
+__all__ = ["RankRecords", "replay_records", "one_line"]
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line of at most 300 characters: its type, and its message where it has one."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return " ".join(text.split())[:300]
 
 
 class RankRecords:
@@ -44,7 +50,7 @@ class RankRecords:
 
     def error(self, exc: BaseException) -> None:
         """A learner's exception as a failed record (one line), so the other ranks' results still come back."""
-        msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        msg = one_line(exc)
         self.add("equal", f"runs without error ({msg})", False, True,
                  "the message above says where; NotImplementedError means the exercise is still a stub")
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from course_lib import dist as cdist
 from course_lib.grading.check import CheckFailed
+from course_lib.lessons.rank_records import one_line
 from course_lib.measure.collective_counter import CollectiveCounter
 from course_lib.data import shard_batch
 from course_lib.dist import global_mean
@@ -42,11 +43,6 @@ class StepError(Exception):
         self.where, self.exc = where, exc
 
 
-def _one_line(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return " ".join(text.split())[:300]
-
-
 def guarded(parts: dict) -> dict:
     """On a rank: call each ``parts[name]()`` in order and keep its result under ``name``. The first one that
     raises stops the rest (their collectives would no longer pair up) and is recorded in 'error' as
@@ -56,10 +52,10 @@ def guarded(parts: dict) -> dict:
         try:
             out[name] = call()
         except StepError as exc:
-            out["error"] = {"rank": dist.get_rank(), "part": f"{name}, {exc.where}", "message": _one_line(exc.exc)}
+            out["error"] = {"rank": dist.get_rank(), "part": f"{name}, {exc.where}", "message": one_line(exc.exc)}
             break
         except Exception as exc:  # noqa: BLE001 - a learner's error becomes a failed check, not a traceback
-            out["error"] = {"rank": dist.get_rank(), "part": name, "message": _one_line(exc)}
+            out["error"] = {"rank": dist.get_rank(), "part": name, "message": one_line(exc)}
             break
     return out
 
