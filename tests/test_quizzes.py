@@ -53,7 +53,8 @@ EXPECTED = {
            "q2": theory.context.ring_critical_path(4096, 8, "contiguous", "half")
            / theory.context.ring_critical_path(4096, 8, "balanced", "half"), "q3": 8},   # 8 K/V heads of Llama-3-8B
     "11": {"q1": theory.experts.uniform_layer_comm(4096, 8, 7168, 8, dtype_bytes=2)["payload"] / 1e6,
-           "q2": 200 - moe.capacity_of(1.25, 2048, 1, 16),
+           "q2": sum(max(0, n - moe.capacity_of(1.0, 1024, 1, 4)) for n in (400, 208, 208, 208)),   # no rerouting:
+           # the 3 x 48 free places of the other experts do not take expert 0's 144 extra tokens
            "q3": 100 * (lambda p: p["active"] / p["total"])(theory.experts.moe_params(mixtral_config(), 8, 1))},
 }
 
@@ -73,6 +74,9 @@ def test_quiz_accepts_right_answers_and_refuses_wrong_ones(capsys):
     wrong = {"q1": EXPECTED["03"]["q1"] * 1.05, "q2": EXPECTED["03"]["q2"] + 1, "q3": "interleave"}
     assert all(v.startswith("not yet (section") for v in score("03", wrong).values())
     assert score("03", {"q1": None}) == {"q1": "not answered yet"}
+    # lesson 11 q2's wrong turns: the others' spare places take the overflow (0), expert 0's excess over the others'
+    # load (192), every token of the over-full expert (400)
+    assert all(score("11", {"q2": a})["q2"].startswith("not yet (section") for a in (0, 192, 400))
     assert score("01", {"q4": "memory"}, run={"q4": "memory"}) == {"q4": "right"}
     quiz("03", {"q1": EXPECTED["03"]["q1"], "q2": None})
     assert capsys.readouterr().out == "q1: right\nq2: not answered yet\n1 of 2 right\n"
