@@ -77,7 +77,8 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
     },
     "11": {
         "q1": ("bcce44ab22ec12b903d7ba67", 0.01, "section 3: what one dispatch carries, counted row by row"),
-        "q2": ("d856e54b41f67d43897667ba", None, "section 2, capacity: a limit on each expert's queue, or a budget the experts share?"),
+        "q2": ("d856e54b41f67d43897667ba", None,
+               "section 2, capacity: a limit on each expert's queue, or a budget the experts share?"),
         "q3": ("585ba3c09d47d606dd065aa4", 0.02, "section 1: which experts' weights one token's matmuls never touch"),
     },
 }
