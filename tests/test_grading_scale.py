@@ -179,8 +179,11 @@ def test_three_shards_merged_equal_one_run(runs, tmp_path, capsys):
     assert {p["shard"] for p in parts} == {"1/3", "2/3", "3/3"} and len({p["class_digest"] for p in parts}) == 1
     out = {k: tmp_path / f"merged.{k}" for k in ("json", "csv", "lms")}
     rc = commands.main(["grade", "merge", *(str(tmp / f"part-{k}.json") for k in (3, 1, 2)), "--json",
-                        str(out["json"]), "--csv", str(out["csv"]), "--lms-csv", str(out["lms"])])
+                        str(out["json"]), "--csv", str(out["csv"]), "--lms-csv", str(out["lms"]),
+                        "--solutions", str(FX_SOLUTIONS)])
     assert rc == 1                                             # as the whole class: eve is unreadable
+    assert not any("similarity" in r for p in parts for r in p["results"])   # a shard sees part of the class
+    assert "similarity" in by_student(load(out["json"]))["alice"]            # merge compares the whole class
     assert json.dumps(load(out["json"])) == json.dumps(load(tmp / "j1.json"))
     assert out["csv"].read_bytes() == (tmp / "j1.csv").read_bytes()
     assert out["lms"].read_bytes() == (tmp / "j1-lms.csv").read_bytes()
@@ -197,6 +200,8 @@ def test_merge_refuses_a_missing_or_duplicated_submission_naming_the_student(run
     assert "graded twice: alice" in err and "dave" in err
     assert commands.main(["grade", "merge", str(tmp / "j1.json")]) == 2       # a whole class's JSON is no shard
     assert "is not a shard's results" in capsys.readouterr().err
+    assert commands.main(["grade", "merge", part[1], part[2], part[3]]) == 2    # the repo's solutions: no fx lesson
+    assert "no solution of lesson fx_basics" in capsys.readouterr().err
 
 
 def test_shard_specs_are_validated_and_slices_are_balanced():
@@ -244,6 +249,10 @@ def test_lms_csv_has_one_row_per_student_a_column_per_exercise_and_the_total(run
     assert table["eve"] == ["0"] * (len(exercises) + 1)
     old = list(csv.reader((runs["tmp"] / "j1.csv").open()))            # --csv keeps its columns
     assert old[0][:6] == ["student", "submission", "lesson", "points", "max", "status"]
+    assert old[0][-3:] == ["sandbox", "similarity", "flagged"]          # then the class's similarity, at the end
+    alice = dict(zip(old[0], old[1]))
+    assert alice["similarity"] == "1.00" and "fx-shape: official solution 1.00" in alice["flagged"]
+    assert dict(zip(old[0], old[-1]))["similarity"] == ""               # eve: unreadable, nothing compared
 
 
 # ------------------------------------------------------------------------------------ regrades
@@ -301,6 +310,7 @@ def test_bad_input_is_refused_before_anything_runs(tmp_path, capsys):
         ([str(mixed), "--solutions", str(sols), "--lesson", "fx_basics"], "another lesson than --lesson fx_basics"),
         ([str(CORRECT), "--solutions", str(FX_SOLUTIONS), "--exercise", "fx-nope"], "--exercise fx-nope: not an"),
         ([str(tmp_path / "nowhere")], "no such file or folder"),
+        ([str(CORRECT), "--similarity-threshold", "1.5"], "--similarity-threshold 1.5: give a share between 0 and 1"),
     ]
     before = set(Path(tempfile.gettempdir()).glob(f"course-grade-{os.getpid()}-*"))
     for args, said in cases:

@@ -8,6 +8,7 @@ lessons over its workers; one solution namespace per lesson (its setup and answe
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.util
 import io
@@ -23,6 +24,7 @@ from course_lib.notebook import source
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "grading" / "mistakes"
+INDEPENDENT = ROOT / "solutions" / "independent"
 MIN_PER_EXERCISE = 4
 pytestmark = pytest.mark.slow
 
@@ -43,6 +45,39 @@ def load_accepted(lesson: str) -> list[tuple[str, str, str]]:
     """``ACCEPTED`` of the same file, where it has one: (exercise, what, code), right answers that differ from the
     solution in a choice the exercise's rules leave free; each must pass."""
     return getattr(_fixture(lesson), "ACCEPTED", [])
+
+
+def load_independent(lesson: str) -> dict[str, str]:
+    """``ANSWERS`` of solutions/independent/l{lesson}.py, where it exists: {exercise: answer cell}, right answers
+    written without reading the solution (the noise floor of `course_lib.grading.similarity`); each must pass."""
+    path = INDEPENDENT / f"l{lesson}.py"
+    if not path.exists():
+        return {}
+    spec = importlib.util.spec_from_file_location(f"independent_l{lesson}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ANSWERS
+
+
+def top_level_names(code: str) -> set[str]:
+    """The functions and classes a cell defines at its top level."""
+    return {node.name for node in ast.parse(code).body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+def answer_cell_names(lesson: str, exercise: str) -> set[str]:
+    """The functions and classes that the solution's answer cells of ``exercise`` define (those cells come after
+    the previous exercise's test cells and before this one's)."""
+    names: set[str] = set()
+    for cell in json.loads(solution_of(lesson).read_text())["cells"]:
+        info = authoring.test_info(cell)
+        if info:
+            if info["exercise"] == exercise:
+                return names
+            names = set()
+        elif authoring.has_solution(cell):
+            names |= top_level_names(source(cell))
+    return names
 
 
 def solution_of(lesson: str) -> Path:
@@ -120,6 +155,15 @@ def lesson_class(number: str):
             lesson.run_tests(exercise, code)
 
         members["test_other_right_answer_passes"] = test_other_right_answer_passes
+    independent = [pytest.param(e, c, id=f"{e}: independent") for e, c in load_independent(number).items()]
+    if independent:
+        @pytest.mark.parametrize("exercise, code", independent)
+        def test_independent_answer_passes(self, lesson, exercise, code):
+            missing = answer_cell_names(number, exercise) - top_level_names(code)
+            assert not missing, f"{exercise}: the independent answer does not define {sorted(missing)}"
+            lesson.run_tests(exercise, code)
+
+        members["test_independent_answer_passes"] = test_independent_answer_passes
     return type(f"TestLesson{number}", (), members)
 
 

@@ -8,6 +8,7 @@ import traceback
 from pathlib import Path
 
 from course_lib.grading.sandbox import DEFAULT_MAX_PROCS, DEFAULT_MEMORY_MB
+from course_lib.grading.similarity import DEFAULT_THRESHOLD
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,9 +67,37 @@ def _exit_code(results: list[dict]) -> int:
     return 1 if any(r["status"] != "graded" for r in results) else 0
 
 
+def _threshold_problem(args: argparse.Namespace) -> str | None:
+    t = args.similarity_threshold
+    if not 0 < t <= 1:
+        return (f"--similarity-threshold {t:g}: give a share between 0 and 1 (the part of an answer's code found in "
+                f"another source; default {DEFAULT_THRESHOLD:g})")
+    return None
+
+
+def _similarity(results: list[dict], args: argparse.Namespace, solutions, shard=None) -> None:
+    """Compare the class's answers (docs/GRADING.md, "Copied answers"): by default when two or more submissions
+    were graded; never in a shard (it sees part of the class: `merge` compares)."""
+    from course_lib.grading import grade, similarity
+
+    graded = [r for r in results if r.get("status") == "graded"]
+    if args.no_similarity or shard or not graded or (len(graded) < 2 and not args.similarity):
+        if shard and not args.no_similarity:
+            print("course grade: similarity is compared when the shards are merged (course grade merge)",
+                  file=sys.stderr)
+        return
+    if not isinstance(solutions, grade.Solutions):
+        solutions = grade.Solutions(solutions)
+    report = similarity.class_report(results, solutions, args.similarity_threshold)
+    print(similarity.table(report))
+    if args.similarity_report:
+        written = similarity.write(report, args.similarity_report)
+        print(f"course grade: similarity report: {', '.join(map(str, written))}", file=sys.stderr)
+
+
 def cmd_merge(args: argparse.Namespace, files: list[str]) -> int:
     """``course grade merge RESULTS... [--csv OUT] [--json OUT] [--lms-csv OUT]``: the shards' JSON as one class."""
-    from course_lib.grading import grade, shards
+    from course_lib.grading import grade, shards, similarity
 
     try:
         results = shards.merge(files)
@@ -76,6 +105,12 @@ def cmd_merge(args: argparse.Namespace, files: list[str]) -> int:
         print(f"course grade {exc}", file=sys.stderr)
         return 2
     print(grade.table(results))
+    try:
+        _similarity(results, args, args.solutions or _default("solutions"))
+    except (grade.GraderError, similarity.SimilarityError) as exc:
+        print(f"course grade merge: {exc} (give --solutions DIR for the similarity report, or --no-similarity)",
+              file=sys.stderr)
+        return 2
     _outputs(results, args)
     print(f"merged {len(files)} shard file(s): {len(results)} submissions", file=sys.stderr)
     return _exit_code(results)
@@ -84,6 +119,10 @@ def cmd_merge(args: argparse.Namespace, files: list[str]) -> int:
 def cmd_grade(args: argparse.Namespace) -> int:
     from course_lib.grading import grade, jobs, sandbox, shards
 
+    problem = _threshold_problem(args)
+    if problem:
+        print(f"course grade: {problem}", file=sys.stderr)
+        return 2
     if args.paths[0] == "merge" and not Path("merge").exists():
         return cmd_merge(args, args.paths[1:])
     try:
@@ -135,6 +174,11 @@ def cmd_grade(args: argparse.Namespace) -> int:
         print(f"course grade: the grader failed: {exc}", file=sys.stderr)
         return 2
     print(grade.table(results))
+    try:
+        _similarity(results, args, plan.solutions, shard)
+    except Exception as exc:  # noqa: BLE001 - the grades stand without it
+        print(f"course grade: WARNING: the answers were not compared ({type(exc).__name__}: {exc}); the grades "
+              f"are written", file=sys.stderr)
     _outputs(results, args, shards.document(results, shard, plan.roster()) if shard else None)
     return _exit_code(results)
 
@@ -195,6 +239,14 @@ def add_parsers(subparsers) -> None:
     g.add_argument("--feedback", default=None, metavar="DIR",
                    help="write DIR/<student>.md per submission: points, status and the failing check per "
                         "exercise (never a hidden test's expected value or a quiz's answer)")
+    g.add_argument("--similarity", action="store_true",
+                   help="compare answers even when one submission is graded (default: when two or more are)")
+    g.add_argument("--no-similarity", action="store_true", help="do not compare the answers")
+    g.add_argument("--similarity-threshold", type=float, default=DEFAULT_THRESHOLD, metavar="SHARE",
+                   help="flag an answer when at least this share of its code is in another source (default "
+                        f"{DEFAULT_THRESHOLD:g})")
+    g.add_argument("--similarity-report", default=None, metavar="DIR",
+                   help="write DIR/similarity.html (answers side by side, shared code marked) and DIR/similarity.json")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (it only shows on a terminal)")
     g.set_defaults(func=cmd_grade)
 

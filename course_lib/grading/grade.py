@@ -37,7 +37,7 @@ from pathlib import Path
 
 from course_lib import reference
 from course_lib.runtime import procs
-from course_lib.grading import kernel_guard, regrade, sandbox
+from course_lib.grading import kernel_guard, regrade, sandbox, similarity
 from course_lib import notebook as nbio
 from course_lib.grading import authoring
 
@@ -388,6 +388,7 @@ def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solu
                 "error": f"{path}: cannot tell which lesson this is (no matching notebook in {solutions.folder})"}
     official = solutions.notebooks[lesson]
     assembled = assemble(sub, official)
+    result["answers"] = similarity.learner_code(assembled, official, lesson)    # what it wrote: similarity's
     if only:
         try:
             assembled = regrade.select(assembled, list(only))
@@ -474,13 +475,16 @@ def exercise_columns(results: list[dict]) -> list[str]:
 
 
 def write_csv(results: list[dict], path: str | Path) -> None:
-    """One row per submission (student): total, max, status, each exercise's points and the sandbox."""
+    """One row per submission (student): total, max, status, each exercise's points and the sandbox; where the
+    class's similarity was computed, its highest score and its flags (`similarity.csv_cells`: no points change)."""
     exercises = exercise_columns(results)
+    sim = any("similarity" in res for res in results)
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["student", "submission", "lesson", "points", "max", "status", *exercises, "sandbox"])
+        w.writerow(["student", "submission", "lesson", "points", "max", "status", *exercises, "sandbox",
+                    *(["similarity", "flagged"] if sim else [])])
         for res in results:
             pts = {r["exercise"]: r["points"] for r in res["exercises"]}
             w.writerow([res.get("student", Path(res["submission"]).stem), res["submission"], res["lesson"] or "",
                         res["points"], res["max"], res["status"], *(pts.get(e, "") for e in exercises),
-                        res.get("sandbox", "")])
+                        res.get("sandbox", ""), *(similarity.csv_cells(res) if sim else ())])
