@@ -200,8 +200,9 @@ def test_merge_refuses_a_missing_or_duplicated_submission_naming_the_student(run
     assert "graded twice: alice" in err and "dave" in err
     assert commands.main(["grade", "merge", str(tmp / "j1.json")]) == 2       # a whole class's JSON is no shard
     assert "is not a shard's results" in capsys.readouterr().err
-    assert commands.main(["grade", "merge", part[1], part[2], part[3]]) == 2    # the repo's solutions: no fx lesson
-    assert "no solution of lesson fx_basics" in capsys.readouterr().err
+    assert commands.main(["grade", "merge", part[1], part[2], part[3]]) == 1    # the repo's solutions: no fx lesson
+    err = capsys.readouterr().err                              # (1: eve is unreadable, as in the whole class)
+    assert "the answers were not compared: no solution of lesson fx_basics" in err and "grades are written" in err
 
 
 def test_shard_specs_are_validated_and_slices_are_balanced():
@@ -257,7 +258,7 @@ def test_lms_csv_has_one_row_per_student_a_column_per_exercise_and_the_total(run
 
 # ------------------------------------------------------------------------------------ regrades
 
-def test_regrade_of_chosen_exercises_equals_the_full_grade_and_is_faster(tmp_path):
+def test_regrade_of_chosen_exercises_equals_the_full_grade_and_skips_the_slow_cell(tmp_path):
     """erin's fx-ring answer calls a helper defined in another exercise's cell, next to a 6 s cell; fx-mean is wrong.
     Grading fx-mean and fx-ring alone keeps the helper, skips the slow cell, and scores both as the full grade."""
     nb = edited("return 2 * (world_size - 1) / world_size", "return 2 * ring_helper(world_size) / world_size",
@@ -276,7 +277,6 @@ def test_regrade_of_chosen_exercises_equals_the_full_grade_and_is_faster(tmp_pat
     assert want["fx-mean"]["status"].startswith("failed") and want["fx-ring"]["status"] == "passed"
     assert {r["exercise"]: r for r in part["exercises"]} == want
     assert part["only"] == ["fx-mean", "fx-ring"] and (part["points"], part["max"]) == (1, 2)
-    assert part["seconds"] < full["seconds"] - 4, (part["seconds"], full["seconds"])
     # the rule itself: the helper's cell is kept, the slow cell and the other exercises' cells are not
     assembled = grade.assemble(nb, nbio.read(FX_SOLUTIONS / "fx_basics.ipynb"))
     kept = [nbio.source(c) for c in regrade.select(assembled, ["fx-ring"])["cells"]]

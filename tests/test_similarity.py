@@ -3,7 +3,7 @@
 A class of lesson 02 is built from the student copy with answers put in its stub cells (nothing runs: similarity
 reads text only):
 - ``paster`` pastes the course's ring all-reduce (`course_lib.parallel.collectives.ring_all_reduce`) verbatim;
-- ``disguiser`` pastes it with every local name changed, comments added and the layout changed;
+- ``disguiser`` pastes it with two statements swapped, every local name changed, comments and spaces added;
 - ``second`` answers every exercise independently (tests/fixtures/grading/similarity/l02_second.py), and is
   compared, beside the course's code and the official solution, with solutions/independent/l02.py (the other
   independent answer: both written by helpers who read neither the solution nor the course's implementation);
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.grading import build, grade, similarity
+from course_lib.grading import authoring, build, grade, similarity
 from course_lib.notebook import source
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ def class02(lesson02):
     borrowed = rename_locals(swap_two_statements(second["02-grad-accum"]))
     assert borrowed != second["02-grad-accum"]
     results = [lesson02.result("paster", {"02-ring-all-reduce": ring}),
-               lesson02.result("disguiser", {"02-ring-all-reduce": rename_locals(ring)}),
+               lesson02.result("disguiser", {"02-ring-all-reduce": rename_locals(swap_two_statements(ring))}),
                lesson02.result("second", second),
                lesson02.result("borrower", {"02-grad-accum": borrowed})]
     report = similarity.class_report(results, lesson02.solutions)
@@ -158,9 +158,9 @@ def test_a_pasted_course_implementation_is_flagged_plain_or_disguised(class02):
 
 def test_a_classmates_answer_reordered_and_renamed_is_flagged_both_ways(class02):
     sim, _ = class02
-    assert sim["borrower"]["02-grad-accum"]["flagged"], sim["borrower"]
-    assert sim["borrower"]["02-grad-accum"]["source"] == "classmate second"
-    assert sim["second"]["02-grad-accum"]["source"] == "classmate borrower"      # who copied is for you to judge
+    for who, other in (("borrower", "second"), ("second", "borrower")):     # who copied is for you to judge
+        got = sim[who]["02-grad-accum"]
+        assert got["flagged"] and got["source"] == f"classmate {other}" and got["score"] >= 0.9, (who, got)
 
 
 def course_matches(row: dict) -> list:
@@ -190,7 +190,8 @@ def test_the_official_solution_handed_in_is_flagged_against_itself(lesson02):
     res = {**lesson02.result("x", {}), "answers": similarity.learner_code(lesson02.official, lesson02.official,
                                                                           lesson02.stem)}
     similarity.class_report([res], lesson02.solutions)
-    assert all(v["source"] == similarity.SOLUTION and v["score"] == 1.0 for v in res["similarity"].values())
+    assert all(v["source"] == similarity.SOLUTION and v["score"] == 1.0 and v["flagged"]
+               for v in res["similarity"].values()), res["similarity"]
 
 
 def test_lesson_09s_independent_answers_are_not_flagged_against_the_course():
@@ -220,11 +221,48 @@ def test_the_report_shows_the_pair_side_by_side_offline_and_the_csv_cells(class0
     assert similarity.csv_cells({"similarity": {"x": {**sim["paster"]["02-ring-all-reduce"], "flagged": False}}})[1] == ""
 
 
-def test_every_independent_answer_is_read_and_its_floor_is_below_a_copy():
-    """Each lesson's independent answers give a noise floor per exercise; a verbatim copy (1.0) is above every
-    floor that can flag."""
+def test_every_lesson_has_its_noise_floors_and_docs_grading_prints_them():
+    """Each coding exercise has an independent answer, hence a floor; docs/GRADING.md's table holds these floors."""
     solutions = grade.Solutions(ROOT / "solutions")
+    table = {}
+    for line in (ROOT / "docs" / "GRADING.md").read_text().splitlines():
+        if line.startswith("| ") and line[2:4].isdigit() and "floors" not in line:
+            table[line[2:4]] = line.split("|")[2].strip()
     for stem, official in solutions.notebooks.items():
-        answers = similarity.independent_answers(solutions.folder, stem, official)
-        assert answers, f"no independent answers for {stem} (solutions/independent/l{stem[:2]}.py)"
-        assert set(answers) <= set(similarity.solution_answers(official))
+        sources, floors = similarity._sources(solutions, stem)
+        assert set(floors) == set(sources), f"{stem}: exercises without an independent answer: " \
+                                            f"{sorted(set(sources) - set(floors))}"
+        short = {ex for ex, code in similarity.solution_answers(official).items()
+                 if similarity._Print(code).size < similarity.MIN_CHARS}
+        printed = ", ".join(f"{ex[3:]} {'short' if ex in short and floors[ex] == 0 else f'{floors[ex]:.2f}'}"
+                            for ex in sources)
+        assert table.get(stem[:2]) == printed, f"docs/GRADING.md's floors of lesson {stem[:2]}: {printed}"
+
+
+def test_a_paste_in_another_cell_after_a_stray_quote_or_with_its_tests_deleted_is_found(lesson02):
+    """Code belongs to the exercise whose tests follow it; the course's answers to every exercise are compared."""
+    ring = ring_cell(lesson02)
+    elsewhere = lesson02.result("a", {"02-average-gradients": ring, "02-ring-all-reduce": "pass"})
+    nb = lesson02.submission({"02-ring-all-reduce": ring})
+    at = next(i for i, c in enumerate(lesson02.student["cells"]) if "raise NotImplementedError" in source(c)
+              and lesson02.owner.get(i) == "02-ring-all-reduce")
+    nb["cells"].insert(at, {**copy.deepcopy(nb["cells"][at]), "source": '"""'})        # a cell that does not parse
+    quoted = {"student": "b", "submission": "b", "status": "graded", "lesson": lesson02.stem,
+              "answers": similarity.learner_code(grade.assemble(nb, lesson02.official), lesson02.official,
+                                                 lesson02.stem)}
+    nb = lesson02.submission({"02-ring-all-reduce": ring})
+    nb["cells"] = [c for c in nb["cells"] if (authoring.test_info(c) or {}).get("exercise") != "02-ring-all-reduce"]
+    deleted = {**quoted, "student": "c", "answers": similarity.learner_code(grade.assemble(nb, lesson02.official),
+                                                                            lesson02.official, lesson02.stem)}
+    for res in (elsewhere, quoted, deleted):
+        similarity.class_report([res], lesson02.solutions)
+        hits = [name for v in res["similarity"].values() for name, _ in v["matches"]]
+        assert any(name.startswith(RING) for name in hits), (res["student"], res["similarity"])
+
+
+def test_the_report_escapes_what_a_submission_writes(lesson02, tmp_path):
+    evil = "<script>alert(1)</script>"
+    res = lesson02.result(evil, {"02-ring-all-reduce": ring_cell(lesson02) + f"\nx = '</pre>{evil}'\n"})
+    report = similarity.class_report([res], lesson02.solutions)
+    page = similarity.write(report, tmp_path)[0].read_text()
+    assert evil not in page and "&lt;script&gt;" in page

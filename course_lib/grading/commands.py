@@ -82,9 +82,12 @@ def _similarity(results: list[dict], args: argparse.Namespace, solutions, shard=
 
     graded = [r for r in results if r.get("status") == "graded"]
     if args.no_similarity or shard or not graded or (len(graded) < 2 and not args.similarity):
-        if shard and not args.no_similarity:
-            print("course grade: similarity is compared when the shards are merged (course grade merge)",
-                  file=sys.stderr)
+        why = ("a shard sees part of the class: `course grade merge` compares the answers" if shard else
+               "--no-similarity" if args.no_similarity else "fewer than two graded submissions (--similarity "
+               "compares one with the course's answers)")
+        if shard or args.similarity_report:
+            print(f"course grade: the answers are not compared here ({why})"
+                  + (f"; no report in {args.similarity_report}" if args.similarity_report else ""), file=sys.stderr)
         return
     if not isinstance(solutions, grade.Solutions):
         solutions = grade.Solutions(solutions)
@@ -108,9 +111,8 @@ def cmd_merge(args: argparse.Namespace, files: list[str]) -> int:
     try:
         _similarity(results, args, args.solutions or _default("solutions"))
     except (grade.GraderError, similarity.SimilarityError) as exc:
-        print(f"course grade merge: {exc} (give --solutions DIR for the similarity report, or --no-similarity)",
-              file=sys.stderr)
-        return 2
+        print(f"course grade merge: WARNING: the answers were not compared: {exc} (give --solutions DIR, or "
+              f"--no-similarity); the grades are written", file=sys.stderr)
     _outputs(results, args)
     print(f"merged {len(files)} shard file(s): {len(results)} submissions", file=sys.stderr)
     return _exit_code(results)
@@ -239,9 +241,10 @@ def add_parsers(subparsers) -> None:
     g.add_argument("--feedback", default=None, metavar="DIR",
                    help="write DIR/<student>.md per submission: points, status and the failing check per "
                         "exercise (never a hidden test's expected value or a quiz's answer)")
-    g.add_argument("--similarity", action="store_true",
-                   help="compare answers even when one submission is graded (default: when two or more are)")
-    g.add_argument("--no-similarity", action="store_true", help="do not compare the answers")
+    compare = g.add_mutually_exclusive_group()
+    compare.add_argument("--similarity", action="store_true",
+                         help="compare answers even when one submission is graded (default: when two or more are)")
+    compare.add_argument("--no-similarity", action="store_true", help="do not compare the answers")
     g.add_argument("--similarity-threshold", type=float, default=DEFAULT_THRESHOLD, metavar="SHARE",
                    help="flag an answer when at least this share of its code is in another source (default "
                         f"{DEFAULT_THRESHOLD:g})")

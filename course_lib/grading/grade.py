@@ -388,7 +388,10 @@ def grade_submission(path: str | Path, solutions: Solutions | str | Path = "solu
                 "error": f"{path}: cannot tell which lesson this is (no matching notebook in {solutions.folder})"}
     official = solutions.notebooks[lesson]
     assembled = assemble(sub, official)
-    result["answers"] = similarity.learner_code(assembled, official, lesson)    # what it wrote: similarity's
+    try:                                                    # what it wrote, for the similarity report
+        result["answers"] = similarity.learner_code(assembled, official, lesson)
+    except Exception as exc:  # noqa: BLE001 - the grade does not depend on it
+        result["warnings"].append(f"its code could not be read for the similarity report: {exc}")
     if only:
         try:
             assembled = regrade.select(assembled, list(only))

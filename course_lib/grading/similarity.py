@@ -1,24 +1,25 @@
 """Copied answers: which answers of a class are near-copies of the course's own code or of a classmate's.
 
-``course grade`` (docs/GRADING.md, "Copied answers") compares, per coding exercise, the code each learner wrote with
-- the official solution's answer regions (``solutions/NN_*.ipynb``),
-- the course's implementations marked ``@reference_for(exercise)`` (their source, found without importing them),
-- the independently written answers of ``solutions/independent/lNN.py``, where there is one,
+``course grade`` (docs/GRADING.md, "Copied answers") compares the code each learner wrote for an exercise with
+- the course's answers to every exercise of the lesson: the official solution's answer regions
+  (``solutions/NN_*.ipynb``), the implementations marked ``@reference_for(exercise)`` (their source, found without
+  importing them) and the independently written answer of ``solutions/independent/lNN.py``;
 - every other submission's code for the same exercise.
 
 *The code a learner wrote* (`learner_code`): the submission's code cells of the exercise (those after the previous
 exercise's test cells, as the grader assembles them), minus the lines of the student copy's same cells (the given
-code: signatures, docstrings, set-up), found with `difflib`. The fingerprints are `copydetect`'s (MOSS's winnowing
-over the code as Pygments tokenizes it: every name becomes ``V``, strings ``S``, comments and whitespace go), so
+code: signatures, set-up, stubs), found with `difflib`; docstrings are text and left out (`_clean`). The fingerprints
+are `copydetect`'s: Pygments tokens, variable and attribute names ``V``, defined function and class names ``F`` and
+``O``, string contents ``S``, comments and whitespace gone; every k-gram of `K` characters kept (`WINDOW` 1). So
 renamed variables, added comments, changed layout and reordered statements leave a copy's fingerprints in place.
 
-A submission's *score* against a source is the share of its code (after that filtering) that the source also holds,
-0 to 1: the most similar source is reported, and a score at or above the threshold is *flagged*, for the instructor
-to judge; a flag never changes points. An answer shorter than `MIN_CHARS` filtered characters is not scored (two
-honest one-liners look alike). The *noise floor* of an exercise is the score of its independent answer against the
-official solution (the higher of the two directions): how alike two honest answers are. Where it is high (an exercise
-whose rules leave one way to write it), the exercise flags only above the floor + `MARGIN`; at a floor of 0.9 or
-more it cannot flag at all, and the report says so.
+The *score* of an answer against a source (`score`) is the larger of the share of the answer's filtered code that
+the source holds and the share of the source's that the answer holds, 0 to 1: the most similar source is reported,
+and the sources at or above the flag (`flag_at`) are *matches*, which flag the answer for the instructor to judge; a
+flag never changes points. An answer shorter than `MIN_CHARS` filtered characters is not scored (two honest
+one-liners look alike). The *noise floor* of an exercise is the score of its independent answer against the official
+solution: how alike two honest answers are. An exercise's sources flag at the threshold or at its floor + `MARGIN`,
+whichever is higher; at 1 or more (a floor of 0.9 or more) it cannot flag at all, and the report says so.
 
 No learner code runs here: the text is only tokenized, in the grader's process.
 """
@@ -53,30 +54,44 @@ class SimilarityError(ValueError):
 
 # ------------------------------------------------------------------------------- what the learner wrote
 
-def _text_rows(src: str) -> set[int]:
-    """Rows (from 1) of ``src`` that hold only a string statement or part of a string over several lines (a
-    docstring): text, not code, and a fragment of it would make the tokenizer read the code after it as a string."""
-    rows: set[int] = set()
+_LAYOUT = (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+
+
+def _tokenizes(line: str) -> bool:
+    try:
+        list(tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline))
+        return True
+    except (tokenize.TokenError, SyntaxError):
+        return False
+
+
+def _clean(src: str) -> list[str]:
+    """The code lines of one cell: a string over several lines becomes ``""`` (so that no line of the answer holds a
+    piece of a string, which would make the tokenizer read the code after it as a string), a line that is only a
+    string (a docstring) goes, blank lines go. A cell that is not Python as a whole (a magic, a stray quote) keeps
+    the lines that tokenize on their own."""
     try:
         tokens = list(tokenize.generate_tokens(io.StringIO(src).readline))
-    except (tokenize.TokenError, SyntaxError, IndentationError):
-        return rows                            # not Python as a whole (a magic): its lines are kept as they are
-    code_rows = {r for t in tokens if t.type not in (tokenize.STRING, tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT,
-                                                     tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
-                 for r in range(t.start[0], t.end[0] + 1)}
-    for t in tokens:
-        if t.type == tokenize.STRING:
-            rows |= {r for r in range(t.start[0], t.end[0] + 1) if r not in code_rows or t.end[0] > t.start[0]}
-    return rows
+    except (tokenize.TokenError, SyntaxError):
+        return [line.rstrip() for line in src[:MAX_CHARS].split("\n") if line.strip() and _tokenizes(line)]
+    lines = src.split("\n")
+    code_rows = {r for t in tokens if t.type not in (tokenize.STRING, *_LAYOUT) for r in range(t.start[0], t.end[0] + 1)}
+    text_rows: set[int] = set()
+    for t in reversed(tokens):                       # right to left: the positions of earlier tokens stay valid
+        if t.type != tokenize.STRING:
+            continue
+        (r0, c0), (r1, c1) = t.start, t.end
+        if not code_rows & set(range(r0, r1 + 1)):
+            text_rows |= set(range(r0, r1 + 1))      # a string statement: text
+        elif r1 > r0:
+            lines[r0 - 1: r1] = [lines[r0 - 1][:c0] + '""' + lines[r1 - 1][c1:]] + [None] * (r1 - r0)
+    return [line.rstrip() for n, line in enumerate(lines, 1)
+            if line is not None and line.strip() and n not in text_rows]
 
 
 def _code_lines(cells: list[str]) -> list[str]:
-    """The non-blank lines of ``cells`` that are code (docstrings and string statements left out)."""
-    out = []
-    for src in cells:
-        text = _text_rows(src)
-        out += [line.rstrip() for n, line in enumerate(src.split("\n"), 1) if line.strip() and n not in text]
-    return out
+    """The code lines of ``cells`` (`_clean`), each cell cut at `MAX_CHARS`."""
+    return [line for src in cells for line in _clean(src[:MAX_CHARS])]
 
 
 def _spans(nb) -> dict[str, list[str]]:
@@ -97,6 +112,8 @@ def _filtered(line: str) -> str:
 def added_lines(template: list[str], written: list[str]) -> str:
     """The lines of ``written`` that are not ``template``'s (inserted or changed), in order. Lines are compared as
     the fingerprints see them (`_filtered`), so that a given line with its names changed is still the given line."""
+    template = [t for t in template if _filtered(t)]             # comment-only lines: nothing to match
+    written = [w for w in written if _filtered(w)]
     matcher = difflib.SequenceMatcher(None, [_filtered(t) for t in template], [_filtered(w) for w in written],
                                       autojunk=False)
     out = [written[j] for tag, _, _, j1, j2 in matcher.get_opcodes() if tag in ("replace", "insert")
@@ -140,7 +157,7 @@ def marked_sources(package: Path = ROOT / "course_lib") -> dict[str, dict[str, s
     imported)."""
     found: dict[str, dict[str, str]] = {}
     for path in sorted(package.rglob("*.py")):
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
         if "@reference_for(" not in text:
             continue
         module = ".".join(path.relative_to(package.parent).with_suffix("").parts)
@@ -168,7 +185,7 @@ def independent_answers(solutions_folder: Path, lesson: str, official) -> dict[s
     path = Path(solutions_folder) / "independent" / f"l{lesson[:2]}.py"
     if not path.exists():
         return {}
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "ANSWERS":
             answers = ast.literal_eval(node.value)
             break
@@ -192,65 +209,86 @@ class _Print:
 
 
 def score(a: _Print, b: _Print) -> tuple[float, tuple]:
-    """The share of ``a``'s filtered code that ``b`` also holds (0 to 1), and the copied slices of (a, b)."""
+    """How much of ``a`` and ``b`` is shared, 0 to 1: the larger of the share of ``a``'s filtered code that ``b``
+    holds and the share of ``b``'s that ``a`` holds (so that padding a copy with other code does not hide it); a
+    text under `MIN_CHARS` counts on neither side. Returns the score and the shared slices of (a, b)."""
     from copydetect import compare_files
 
     if a.size < MIN_CHARS or b.size == 0 or a.fp.hashes.isdisjoint(b.fp.hashes):
         return 0.0, ()
-    _, (sim_a, _), slices = compare_files(a.fp, b.fp)
-    return round(min(1.0, float(sim_a)), 3), slices
+    _, (sim_a, sim_b), slices = compare_files(a.fp, b.fp)
+    shared = max(float(sim_a), float(sim_b) if b.size >= MIN_CHARS else 0.0)
+    return round(min(1.0, shared), 3), slices
+
+
+def flag_at(threshold: float, floor: float | None) -> float:
+    """The score at which an exercise flags: the threshold, or its noise floor + `MARGIN` where higher (1 or more:
+    it never flags)."""
+    return round(max(threshold, (floor or 0.0) + MARGIN), 3)
+
+
+def _sources(solutions, lesson: str) -> tuple[dict, dict]:
+    """({exercise: {source name: text}}, {exercise: noise floor}) of the course's side of ``lesson``."""
+    if lesson not in solutions.notebooks:
+        raise SimilarityError(f"no solution of lesson {lesson} in {solutions.folder} to compare the answers with")
+    official = solutions.notebooks[lesson]
+    independent = independent_answers(solutions.folder, lesson, official)
+    sources, floors = {}, {}
+    for ex, code in solution_answers(official).items():
+        if not code.strip():
+            continue                     # its answer is written in an earlier exercise's cells, compared there
+        sources[ex] = {SOLUTION: code, **marked_sources().get(ex, {})}
+        if ex in independent:
+            sources[ex][f"independent answer (solutions/independent/l{lesson[:2]}.py)"] = independent[ex]
+            own, sol = _Print(independent[ex]), _Print(code)
+            floors[ex] = max(score(own, sol)[0], score(sol, own)[0])
+    return sources, floors
 
 
 def class_report(results: list[dict], solutions, threshold: float = DEFAULT_THRESHOLD) -> dict:
     """The similarity of every graded submission of ``results`` (they carry ``answers``: `learner_code`), per
-    exercise: its most similar source and score, flagged at ``threshold`` or above; each exercise's noise floor.
-    Adds ``similarity`` ({exercise: {source, score, flagged}}) to each result; returns the report (JSON-ready)."""
+    exercise: its most similar source and score, and the sources at or above the flag (`flag_at`). An answer is
+    compared with the course's answers to every exercise of the lesson (a copy pasted in another exercise's cell
+    is found), and with the classmates' answers to the same exercise. Adds ``similarity`` ({exercise: {source,
+    score, flagged, scored, matches}}) to each result; returns the report (JSON-ready but for ``_pairs``)."""
     graded = [r for r in results if r.get("status") == "graded" and r.get("answers")]
     report = {"threshold": threshold, "k": K, "window": WINDOW, "min_chars": MIN_CHARS, "exercises": {}}
     if not graded:
         return report
-    lesson = graded[0]["lesson"]
-    if lesson not in solutions.notebooks:
-        raise SimilarityError(f"no solution of lesson {lesson} in {solutions.folder} to compare the answers with")
-    official = solutions.notebooks[lesson]
-    sources = {ex: {SOLUTION: code} for ex, code in solution_answers(official).items()}
-    independent = independent_answers(solutions.folder, lesson, official)
+    lessons = {r["lesson"] for r in graded}
+    if len(lessons) > 1:
+        raise SimilarityError(f"one lesson at a time: these answers are of {', '.join(sorted(lessons))}")
+    lesson = lessons.pop()
+    sources, floors = _sources(solutions, lesson)
+    course = [(name, ex, _Print(code)) for ex, refs in sources.items() for name, code in refs.items()]
+    who = [r.get("student", r["submission"]) for r in graded]
     for ex in sources:
-        sources[ex].update(marked_sources().get(ex, {}))
-        if ex in independent:
-            sources[ex][f"independent answer (solutions/independent/l{lesson[:2]}.py)"] = independent[ex]
-    for ex, refs in sources.items():
-        if not refs[SOLUTION].strip():
-            continue                     # its answer is written in an earlier exercise's cells, compared there
-        prints = {name: _Print(code) for name, code in refs.items()}
-        mine = {r.get("student", r["submission"]): _Print(r["answers"].get(ex, "")) for r in graded}
-        floor = None
-        if ex in independent:
-            own = _Print(independent[ex])
-            floor = max(score(own, prints[SOLUTION])[0], score(prints[SOLUTION], own)[0])
-        flag_at = max(threshold, (floor or 0.0) + MARGIN)
+        mine = [_Print(r["answers"].get(ex, "")) for r in graded]
         rows, pairs = [], []
-        for student, p in mine.items():
-            others = {**prints, **{f"classmate {s}": q for s, q in mine.items() if s != student}}
-            best_name, best, best_slices, matches = None, 0.0, (), []
-            for name, q in others.items():
+        for i, p in enumerate(mine):
+            others = [(name if src_ex == ex else f"{name} (the answer to {src_ex})", src_ex, q)
+                      for name, src_ex, q in course]
+            others += [(f"classmate {who[j]}", ex, q) for j, q in enumerate(mine) if j != i]
+            best, best_name, matches, found = 0.0, None, [], {}
+            for name, src_ex, q in others:
                 s, slices = score(p, q)
+                found[name] = (q, slices, s)
                 if s > best:
-                    best_name, best, best_slices = name, s, slices
-                if s >= flag_at and p.size >= MIN_CHARS:
+                    best, best_name = s, name
+                at = flag_at(threshold, floors.get(src_ex))
+                if p.size >= MIN_CHARS and at < 1.0 and s >= at:
                     matches.append((name, s))
-            row = {"student": student, "chars": p.size, "source": best_name, "score": best,
-                   "scored": p.size >= MIN_CHARS, "flagged": p.size >= MIN_CHARS and best >= flag_at,
-                   "matches": sorted(matches, key=lambda m: -m[1])[:5]}
+            matches.sort(key=lambda m: -m[1])
+            row = {"student": who[i], "chars": p.size, "source": best_name, "score": best,
+                   "scored": p.size >= MIN_CHARS, "flagged": bool(matches), "matches": matches[:5]}
             rows.append(row)
-            shown = [name for name, _ in row["matches"][:3]] or ([best_name] if best >= 0.5 else [])
-            for name in shown:                              # side by side in the HTML: the flags, or a near miss
-                s, slices = (best, best_slices) if name == best_name else score(p, others[name])
-                pairs.append((student, name, p, others[name], slices, s))
-        report["exercises"][ex] = {"noise_floor": floor, "flag_at": round(flag_at, 3), "rows": rows,
-                                   "_pairs": pairs}
-        for r, row in zip(graded, rows):
-            r.setdefault("similarity", {})[ex] = {k: row[k] for k in ("source", "score", "flagged", "scored", "matches")}
+            for name in [m[0] for m in matches[:3]] or ([best_name] if best >= 0.5 else []):
+                q, slices, s = found[name]              # side by side in the HTML: the flags, or a near miss
+                pairs.append((who[i], name, p, q, slices, s))
+            graded[i].setdefault("similarity", {})[ex] = {k: row[k] for k in
+                                                          ("source", "score", "flagged", "scored", "matches")}
+        report["exercises"][ex] = {"noise_floor": floors.get(ex), "flag_at": flag_at(threshold, floors.get(ex)),
+                                   "rows": rows, "_pairs": pairs}
     return report
 
 
@@ -262,7 +300,7 @@ def to_json(report: dict) -> dict:
 
 def table(report: dict) -> str:
     """Per exercise: each submission's most similar source and score, flags marked."""
-    lines = [f"== similarity (share of each answer's code found in its most similar source; flagged at "
+    lines = [f"== similarity (how much each answer shares with its most similar source, 0 to 1; flagged at "
              f">= {report['threshold']:g}, or the exercise's noise floor + {MARGIN:g} where higher; answers under "
              f"{MIN_CHARS} characters of code are not scored)"]
     for ex, e in report["exercises"].items():
@@ -280,7 +318,7 @@ def _floor_words(e: dict) -> str:
     if e["noise_floor"] is None:
         return "noise floor unknown: no independent answer on record"
     words = f"noise floor {e['noise_floor']:.2f}: two honest answers share that much"
-    return words + (f"; flagged at {e['flag_at']:.2f}" if e["flag_at"] <= 1 else
+    return words + (f"; flagged at {e['flag_at']:.2f}" if e["flag_at"] < 1 else
                     "; this exercise cannot tell a copy from an honest answer: never flagged")
 
 
@@ -330,7 +368,7 @@ def write_html(report: dict, path: str | Path) -> None:
             out.append(f"<h3>{html.escape(student)} vs {html.escape(source)}: {s:.2f}</h3><div class='pair'>"
                        f"<div><b>{html.escape(student)}</b><pre>{left}</pre></div>"
                        f"<div><b>{html.escape(source)}</b><pre>{right}</pre></div></div>")
-    Path(path).write_text("\n".join(out) + "\n")
+    Path(path).write_text("\n".join(out) + "\n", encoding="utf-8")
 
 
 def write(report: dict, folder: str | Path) -> list[Path]:
@@ -338,6 +376,6 @@ def write(report: dict, folder: str | Path) -> list[Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     write_html(report, folder / "similarity.html")
-    (folder / "similarity.json").write_text(json.dumps(to_json(report), indent=1) + "\n")
+    (folder / "similarity.json").write_text(json.dumps(to_json(report), indent=1) + "\n", encoding="utf-8")
     return [folder / "similarity.html", folder / "similarity.json"]
 
