@@ -50,6 +50,24 @@ def test_unavailable_names_what_is_missing(monkeypatch, tmp_path):
     assert reason is not None and str(tmp_path / "no-chromium") in reason and "apt-get install chromium" in reason
 
 
+def test_a_notebook_read_while_jupyter_rewrites_it_is_read_again(tmp_path):
+    """Jupyter's save truncates the file and writes it again: a read in between finds '' (a CI run of lesson 09 did);
+    the saved notebook is read again until it parses, and a file that never does still fails."""
+    import threading
+
+    path = tmp_path / "saved.ipynb"
+    path.write_text("")
+    writer = threading.Timer(1.0, lambda: nbformat.write(new_notebook(cells=[new_code_cell("x = 1")]), path))
+    writer.start()
+    try:
+        assert browser.Lab._read_saved(path, timeout_s=30).cells[0].source == "x = 1"
+    finally:
+        writer.join()
+    path.write_text('{"cells": [')
+    with pytest.raises(nbformat.reader.NotJSONError):
+        browser.Lab._read_saved(path, timeout_s=1)
+
+
 def _broken_notebook(path):
     """A widget that does not react, a widget whose callback raises, an error, and a cell that cannot run after it."""
     dropdown = "w.Dropdown(options=['a', 'b'], description='{}')"

@@ -255,7 +255,7 @@ class Lab:
             if started and self._wait(page, result, lambda s: s["kernel"] == "idle" and "[*]:" not in s["prompts"],
                                       timeout_s, f"Run All did not finish in {timeout_s:.0f} s", names, settle=2):
                 self._save(page)
-                executed = nbformat.read(copy, as_version=4)
+                executed = self._read_saved(copy)
                 focus = self._judge_outputs(executed, code, result)
                 if not result.problems:  # widgets are tried once the run is clean
                     focus = self._check_widgets(page, executed, result, widget_timeout_s) or focus
@@ -293,6 +293,22 @@ class Lab:
         page.get_by_role("menuitem", name="File", exact=True).click()
         page.locator("li[data-command='docmanager:save']").click()
         page.wait_for_selector(".lm-TabBar-tab.jp-mod-dirty", state="detached", timeout=60_000)
+
+    @staticmethod
+    def _read_saved(path: Path, timeout_s: float = 30):
+        """The saved notebook. Jupyter's "atomic" save truncates and rewrites the file in place (the copy it keeps is
+        only for a failure), and an autosave can be writing it as the tab turns clean: a read then finds ``''`` or
+        half a notebook (a CI run did); read again until it parses."""
+        import nbformat
+
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                return nbformat.read(path, as_version=4)
+            except (nbformat.reader.NotJSONError, ValueError):
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.5)
 
     def _judge_outputs(self, nb, code: list[int], result: LessonResult) -> int | None:
         """Errors and cells that did not run, from the saved notebook; the first failing cell's index."""
