@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.grading import authoring
+from course_lib.grading import authoring, build, similarity
 from course_lib.grading.check import CheckFailed
 from course_lib.notebook import source
 
@@ -51,12 +51,7 @@ def load_independent(lesson: str) -> dict[str, str]:
     """``ANSWERS`` of solutions/independent/l{lesson}.py, where it exists: {exercise: answer cell}, right answers
     written without reading the solution (the noise floor of `course_lib.grading.similarity`); each must pass."""
     path = INDEPENDENT / f"l{lesson}.py"
-    if not path.exists():
-        return {}
-    spec = importlib.util.spec_from_file_location(f"independent_l{lesson}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.ANSWERS
+    return similarity.read_answers(path) if path.exists() else {}
 
 
 def top_level_names(code: str) -> set[str]:
@@ -68,16 +63,9 @@ def top_level_names(code: str) -> set[str]:
 def answer_cell_names(lesson: str, exercise: str) -> set[str]:
     """The functions and classes that the solution's answer cells of ``exercise`` define (those cells come after
     the previous exercise's test cells and before this one's)."""
-    names: set[str] = set()
-    for cell in json.loads(solution_of(lesson).read_text())["cells"]:
-        info = authoring.test_info(cell)
-        if info:
-            if info["exercise"] == exercise:
-                return names
-            names = set()
-        elif authoring.has_solution(cell):
-            names |= top_level_names(source(cell))
-    return names
+    nb = json.loads(solution_of(lesson).read_text())
+    return {name for i, ex in build.answer_exercises(nb).items() if ex == exercise
+            for name in top_level_names(source(nb["cells"][i]))}
 
 
 def solution_of(lesson: str) -> Path:

@@ -66,12 +66,6 @@ def rename_locals(src: str) -> str:
     return renamed
 
 
-def answers_file(path: Path) -> dict[str, str]:
-    tree = ast.parse(path.read_text())
-    return next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-                and n.targets[0].id == "ANSWERS")
-
-
 class Lesson:
     def __init__(self, number: str):
         self.solutions = grade.Solutions(ROOT / "solutions")
@@ -136,7 +130,7 @@ def swap_two_statements(code: str) -> str:
 
 @pytest.fixture(scope="module")
 def class02(lesson02):
-    second = answers_file(SECOND / "l02_second.py")
+    second = similarity.read_answers(SECOND / "l02_second.py")
     ring = ring_cell(lesson02)
     borrowed = rename_locals(swap_two_statements(second["02-grad-accum"]))
     assert borrowed != second["02-grad-accum"]
@@ -196,7 +190,7 @@ def test_the_official_solution_handed_in_is_flagged_against_itself(lesson02):
 
 def test_lesson_09s_independent_answers_are_not_flagged_against_the_course():
     lesson = Lesson("09")
-    results = [lesson.result("second", answers_file(SECOND / "l09_second.py"))]
+    results = [lesson.result("second", similarity.read_answers(SECOND / "l09_second.py"))]
     report = similarity.class_report(results, lesson.solutions)
     assert not any(course_matches(v) for v in results[0]["similarity"].values()), similarity.table(report)
 

@@ -179,18 +179,20 @@ def _defs(tree, prefix: str):
                 yield from _defs(node, f"{prefix}.{node.name}")
 
 
+def read_answers(path: Path) -> dict[str, str]:
+    """``ANSWERS`` ({exercise: answer cell}) of an answers file (``solutions/independent/lNN.py``), read with
+    `ast.literal_eval`: nothing in it runs; {} where it assigns none."""
+    for node in ast.parse(Path(path).read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "ANSWERS":
+            return ast.literal_eval(node.value)
+    return {}
+
+
 def independent_answers(solutions_folder: Path, lesson: str, official) -> dict[str, str]:
     """{exercise: the learner-written part of the independent answer} from ``solutions/independent/lNN.py``
     (``ANSWERS``, read with `ast.literal_eval`; {} where there is none)."""
     path = Path(solutions_folder) / "independent" / f"l{lesson[:2]}.py"
-    if not path.exists():
-        return {}
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "ANSWERS":
-            answers = ast.literal_eval(node.value)
-            break
-    else:
-        return {}
+    answers = read_answers(path) if path.exists() else {}
     template = _template(json.dumps(official, sort_keys=True), lesson)
     return {ex: added_lines(template.get(ex, []), _code_lines([code])) for ex, code in answers.items()}
 
