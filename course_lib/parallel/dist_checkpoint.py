@@ -16,7 +16,9 @@ writes its own shards (a replicated tensor once), and ``dcp.load`` reads whateve
 a checkpoint written by 4 DDP ranks loads into 2, or into FSDP2 shards (resharding comes from DCP). An
 optimizer that describes its shards to DCP itself (``dcp_state_dict``: the course's ZeRO-1/2, whose state goes
 in as pieces of full-length flat tensors, `course_lib.parallel.zero_state`) does so instead of
-``get_state_dict``, so a run with the course's ZeRO on 4 ranks also resumes on 2.
+``get_state_dict``, so a run with the course's ZeRO on 4 ranks also resumes on 2. A module sharded by
+`course_lib.parallel.sharded_module.shard_module` (``module.shards``) describes its parameters the same way, and
+the state of any optimizer over its shards too (`course_lib.parallel.sharded_state`).
 The schedule, step, data position, seed and world size ride in the DCP state dict (one copy). The RNG states
 are per rank, so each rank writes its own small file ``rng_rank{R}.pt`` next to DCP's ``*.distcp`` files (the
 same scheme serves DeepSpeed, whose ``client_state`` only rank 0 writes). Loaded on another world size, a
@@ -49,6 +51,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
+from course_lib.parallel import sharded_state
 from course_lib.reference import reference_for
 
 __all__ = ["TrainState", "AsyncCheckpoint", "step_path", "checkpoints", "latest", "save", "load", "save_deepspeed",
@@ -223,13 +226,24 @@ class AsyncCheckpoint:
         return self._path
 
 
+def _shard_optimizer(model, optimizer) -> tuple:
+    """A plain optimizer over a sharded module's shards: (chunks, numels, names) as `sharded_state` takes them."""
+    sh = model.shards
+    return sh.shards, [p.numel() for p in sh.params], sh.names
+
+
 def _state_dicts(model, optimizer, for_load: bool = False) -> tuple[dict, dict]:
     """The model's and the optimizer's state dicts as DCP sees them: ``get_state_dict``, or, for an optimizer
-    that describes its own shards (``dcp_state_dict``), the model's and the optimizer's own."""
+    that describes its own shards (``dcp_state_dict``) or a sharded module (``model.shards``), their own."""
+    shards = getattr(model, "shards", None)
     if hasattr(optimizer, "dcp_state_dict"):
-        optim_sd = optimizer.dcp_state_dict(model, for_load)      # first: it refuses what it cannot save
-        return get_model_state_dict(model), optim_sd
-    return get_state_dict(model, optimizer)
+        optim_sd = optimizer.dcp_state_dict(model, for_load)
+    elif shards is not None:
+        optim_sd = sharded_state.optimizer_dcp_state_dict(optimizer, *_shard_optimizer(model, optimizer),
+                                                          shards.group, for_load)
+    else:
+        return get_state_dict(model, optimizer)
+    return (shards.dcp_state_dict(for_load) if shards is not None else get_model_state_dict(model)), optim_sd
 
 
 @reference_for("09-resume")
@@ -278,9 +292,16 @@ def load(path, *, model, optimizer, scheduler=None) -> TrainState:
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    shards = getattr(model, "shards", None)
+    if shards is not None:
+        shards.load_dcp_state_dict(state["model"])
     if hasattr(optimizer, "load_dcp_state_dict"):
-        set_model_state_dict(model, state["model"])
+        if shards is None:
+            set_model_state_dict(model, state["model"])
         optimizer.load_dcp_state_dict(state["optim"], model)
+    elif shards is not None:
+        chunks, _, names = _shard_optimizer(model, optimizer)
+        sharded_state.load_optimizer_dcp_state_dict(optimizer, chunks, names, state["optim"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if scheduler is not None:

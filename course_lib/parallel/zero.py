@@ -8,7 +8,8 @@ data parallelism keeps a full copy of the model state on every rank; ZeRO shards
     stage 2 (P_os+g)   + gradients sharded: each gradient is reduce-scattered as soon as backward has
                        produced it, and only the own shard is kept
     stage 3 (P_os+g+p) + parameters sharded: a layer's parameters are all-gathered just before its forward
-                       (and again before its backward) and freed right after
+                       (and again before its backward) and freed right after: `sharded_module.shard_module`,
+                       which this optimizer uses (one implementation of stage 3)
 
 Layout (as in PyTorch FSDP2): every parameter tensor is flattened, padded with zeros to a multiple of N and
 cut into N equal chunks; rank r owns chunk r of every parameter. Its "shard" is the list of its chunks.
@@ -26,6 +27,8 @@ gives `dist_checkpoint` a form that reshards to another world size).
 
 On a bf16/fp16 model (``model.to(torch.bfloat16)``) the optimizer steps fp32 master copies of the chunks and the
 gradient shards stay 16-bit: the measured state is the mixed-precision formula, 16P bytes sharded as ZeRO says.
+(Stage 3, shaped like FSDP2, keeps fp32 master shards as the module's parameters and fp32 gradient shards:
+4 + 4 + 8 bytes per parameter over N instead of 2 + 2 + 12, the same 16P/N.)
 
 Every collective's payload is counted (``zero.bytes``): all-gather = its output, reduce-scatter = its input,
 as in `course_lib.measure.collective_counter.CollectiveCounter`. A rank sends (N-1)/N of each payload over a ring.
@@ -34,7 +37,6 @@ as in `course_lib.measure.collective_counter.CollectiveCounter`. A rank sends (N
 from __future__ import annotations
 
 import collections
-import math
 from typing import Callable
 
 import torch
@@ -42,49 +44,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.parallel import zero_state
+from course_lib.parallel.sharded_module import (all_gather_flat, chunk_numel, fill_param, free_param,
+                                                reduce_scatter_flat, shard_module)
 from course_lib.reference import reference_for
 
 __all__ = ["ZeroOptimizer", "apply_zero", "all_gather_flat", "reduce_scatter_flat", "chunk_numel", "fill_param",
            "free_param"]
 
 
-@reference_for("05-zero1", "05-zero3-gather")
-def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
-    """(c,) on every rank -> (N*c,) = rank 0's chunk, rank 1's, ... (all_gather_single from torch 2.14 on)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, input, group=group)
-
-
-@reference_for("05-zero2-grad")
-def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
-    """(N*c,) on every rank -> (c,) = the sum over ranks of chunk `rank` (reduce_scatter_single from 2.14 on)."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(output, input, op=dist.ReduceOp.SUM, group=group)
-
-
-def chunk_numel(numel: int, world: int) -> int:
-    """Elements of one rank's chunk of a parameter with `numel` elements: ceil(numel / world)."""
-    return math.ceil(numel / world)
-
-
-@reference_for("05-zero3-gather")
-def fill_param(param: nn.Parameter, full: torch.Tensor) -> None:
-    """ZeRO-3 just-in-time gather, second half: give `param` its storage back (freed by `free_param`) and
-    copy the gathered values in. full: (N*c,) every rank's chunk in rank order, padded (N*c >= numel)."""
-    storage = param.data.untyped_storage()
-    if storage.nbytes() == 0:
-        storage.resize_(param.numel() * param.element_size())
-    param.data.copy_(full[:param.numel()].view_as(param))                              # (N*c,) -> param shape
-
-
-@reference_for("05-zero3-gather")
-def free_param(param: nn.Parameter) -> None:
-    """ZeRO-3 free: release the full parameter's memory; the tensor (and what autograd saved of it) stays,
-    with an empty storage, until `fill_param` fills it again (the trick of FSDP1)."""
-    param.data.untyped_storage().resize_(0)
-
-
-@reference_for("05-zero1", "05-zero2-grad", "05-zero3-gather")
+@reference_for("05-zero1", "05-zero2-grad")
 class ZeroOptimizer(torch.optim.Optimizer):
     """ZeRO stage 1, 2 or 3 over `group` (see the module docstring): a ``torch.optim.Optimizer``.
 
@@ -95,11 +63,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ``zero_grad()``. Parameters are grouped in units (a module's default: each block of ``model.blocks``, and
     the model itself for the rest; bare parameters: one unit each; ``units``: modules or lists of parameters);
     each unit is communicated with one collective (one reduce-scatter of its gradients, one all-gather of its
-    parameters), as FSDP does. Stage 3 gathers a unit in a forward pre-hook, frees it after its forward, gathers
-    it again when the gradient of its output arrives and frees it once its gradients are reduce-scattered; the
-    root unit (embeddings, final norm, head) stays gathered from its forward to the end of backward.
-    ``gather_fn(param, chunk, group)`` (stage 3: all-gather one parameter, one collective per tensor) and
-    ``free_fn(param)`` replace the built-in gather and free (the exercise plugs in its own).
+    parameters), as FSDP does. Stage 3 is `sharded_module.shard_module(model, group, units=...)` (its
+    parameters become the shards, gathered by hooks on each unit's forward) with the inner optimizer over
+    ``model.parameters()``; ``gather_fn(param, chunk, group)`` (all-gather one parameter, one collective per
+    tensor) and ``free_fn(param)`` go to it (the exercise plugs in its own).
     """
 
     def __init__(self, params, optimizer_cls=torch.optim.AdamW, stage: int = 1, group=None, *,
@@ -111,10 +78,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if model is None and stage == 3:
             raise ValueError("stage=3 gathers a unit's parameters in its module's forward hooks, so it needs the "
                              "module, not bare parameters: use apply_zero(model, optimizer_cls, stage=3, ...)")
-        groups = _as_groups(model.parameters() if model is not None else params)
         self.model, self.stage, self.group = model, stage, group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.gather_fn, self.free_fn = gather_fn, free_fn or free_param
+        if stage == 3:
+            self._shard_module(optimizer_cls, units, gather_fn, free_fn, defaults)
+            return
+        if gather_fn is not None or free_fn is not None:
+            raise ValueError(f"gather_fn / free_fn gather and free stage 3's parameters: stage {stage} keeps them")
+        groups = _as_groups(model.parameters() if model is not None else params)
         self.bytes = collections.Counter()          # payload bytes per collective name
         self.calls = collections.Counter()
         self.params = list({id(p): p for g in groups for p in g["params"] if p.requires_grad}.values())  # tied: once
@@ -124,29 +95,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._make_units(units)
         N, r = self.world, self.rank
         self.sizes = [chunk_numel(p.numel(), N) for p in self.params]      # c_i
-        self.flat, self.chunks, self.unit_shard = [None] * len(self.params), [None] * len(self.params), []
+        self.flat, self.chunks = [None] * len(self.params), [None] * len(self.params)
         # Mixed precision (a bf16/fp16 model): the optimizer steps fp32 master copies of the chunks; the model's
         # chunks (`views`) and gradient shards stay in the model's dtype. fp32: the views are the chunks.
         self.mixed = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.params)
         self.views, self.grad_shards = [None] * len(self.params), [None] * len(self.params)
         for k, ids in enumerate(self.units):
-            offsets = self._offsets(k)
-            shard = torch.zeros(offsets[-1], dtype=self.params[ids[0]].dtype, device=self.params[ids[0]].device)
-            for j, i in enumerate(ids):
+            for i in ids:
                 p, c = self.params[i], self.sizes[i]
                 flat = torch.zeros(N * c, dtype=p.dtype, device=p.device)          # (N*c,) padded
                 flat[:p.numel()] = p.data.reshape(-1)
-                if stage == 3:
-                    shard[offsets[j]:offsets[j + 1]] = flat[r * c:(r + 1) * c]
-                    mine = shard[offsets[j]:offsets[j + 1]]                     # (c,) view of the unit shard
-                    free_param(p)                   # gathered just in time by the hooks
-                else:
-                    p.data = flat[:p.numel()].view_as(p)   # the model parameter lives in the padded buffer
-                    self.flat[i] = flat
-                    mine = flat[r * c:(r + 1) * c]  # (c,) own chunk: a view, updated in place
+                p.data = flat[:p.numel()].view_as(p)    # the model parameter lives in the padded buffer
+                self.flat[i] = flat
+                mine = flat[r * c:(r + 1) * c]          # (c,) own chunk: a view, updated in place
                 self.views[i] = mine
                 self.chunks[i] = nn.Parameter(mine.float().clone() if self.mixed else mine)   # (c,) fp32
-            self.unit_shard.append(shard if stage == 3 else None)
         index = {id(p): i for i, p in enumerate(self.params)}
         inner = [dict(g, params=[self.chunks[index[id(p)]] for p in g["params"] if p.requires_grad]) for g in groups]
         self.optimizer = optimizer_cls(inner, **defaults)
@@ -154,16 +117,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state   # live: the same objects
         self._built = True
         self._ready = [0] * len(self.units)
-        self._gathered = [stage < 3] * len(self.units)
         self._hooks = []
-        if stage >= 2:
+        if stage == 2:
             for i, p in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
-        if stage == 3:
-            for k, u in enumerate(self.unit_modules):
-                self._hooks.append(u.register_forward_pre_hook(lambda m, a, k=k: self._gather_unit(k)))
-                if u is not self.model:             # the root stays gathered until its backward is done
-                    self._hooks.append(u.register_forward_hook(lambda m, a, out, k=k: self._after_forward(k, out)))
+
+    def _shard_module(self, optimizer_cls, units, gather_fn, free_fn, defaults) -> None:
+        """Stage 3: the module's parameters become this rank's shards (`shard_module`); the inner optimizer steps
+        them. What the optimizer reads of itself (params, chunks, sizes, units, bytes) is the sharded module's."""
+        sh = shard_module(self.model, self.group, units=units, gather_fn=gather_fn, free_fn=free_fn).shards
+        self.sharding, self.params, self.chunks, self.views = sh, sh.full, sh.shards, sh.shards
+        self.sizes, self.units, self.bytes, self.calls = sh.sizes, sh.units, sh.bytes, sh.calls
+        self.mixed, self.grad_shards, self._hooks = False, [None] * len(sh.shards), []
+        self.optimizer = optimizer_cls(_as_groups(self.model.parameters()), **defaults)
+        super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
+        self._built = True
 
     def _make_units(self, units) -> None:
         if units is None:                           # bare parameters: one unit each
@@ -217,33 +186,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.grad_shards[i] = mine if g is None else g.add_(mine)
             else:
                 chunk.grad = mine if chunk.grad is None else chunk.grad.add_(mine)   # accumulation adds, once
-            if self.stage >= 2:
+            if self.stage == 2:
                 self.params[i].grad = None          # only the shard of the gradient stays
         self._ready[k] = 0
 
     @torch.no_grad()
     def _all_gather_unit(self, k: int) -> None:
-        """Own chunks of unit k -> every parameter of the unit in full (stage 3: storage given back)."""
+        """Own chunks of unit k -> every parameter of the unit in full (its padded buffer)."""
         ids, off, N = self.units[k], self._offsets(k), self.world
-        if self.gather_fn is not None:              # one collective per parameter, by the given function
-            for i in ids:
-                self.gather_fn(self.params[i], self.views[i].detach(), self.group)
-                self.bytes["all_gather"] += N * self.sizes[i] * self.views[i].element_size()
-                self.calls["all_gather"] += 1
-            return
-        shard = self.unit_shard[k]
-        if shard is None:                           # stages 1-2: the chunks live in the parameters' buffers
-            shard = torch.cat([self.views[i].detach() for i in ids])
+        shard = torch.cat([self.views[i].detach() for i in ids])   # (S_k,) the chunks live in the params' buffers
         full = torch.empty(N, off[-1], dtype=shard.dtype, device=shard.device)   # (N, S_k)
         all_gather_flat(full.view(-1), shard, group=self.group)
         self.bytes["all_gather"] += full.numel() * full.element_size()
         self.calls["all_gather"] += 1
         for j, i in enumerate(ids):
-            padded = full[:, off[j]:off[j + 1]].reshape(-1)                    # (N, c) -> (N*c,)
-            if self.stage == 3:
-                fill_param(self.params[i], padded)
-            else:
-                self.flat[i].copy_(padded)
+            self.flat[i].copy_(full[:, off[j]:off[j + 1]].reshape(-1))         # (N, c) -> (N*c,)
 
     # ------------------------------------------------------------------------------ hooks
 
@@ -254,42 +211,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._ready[k] += 1
             if self._ready[k] == len(self.units[k]):    # the whole unit: one reduce-scatter
                 self._reduce_scatter_unit(k)
-                if self.stage == 3:
-                    self._free_unit(k)
         return hook
-
-    def _gather_unit(self, k: int) -> None:
-        if not self._gathered[k]:
-            self._all_gather_unit(k)
-            self._gathered[k] = True
-
-    def _free_unit(self, k: int) -> None:
-        for i in self.units[k]:
-            self.free_fn(self.params[i])
-        self._gathered[k] = False
-
-    def _after_forward(self, k: int, out) -> None:
-        self._free_unit(k)
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda g, k=k: (self._gather_unit(k), g)[1])   # re-gather before its backward
 
     # ------------------------------------------------------------------------------ the step
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         """Reduce-scatter what is not yet (stage 1: every unit), update the own chunks with the inner
-        optimizer, then (stages 1-2) all-gather the parameters. Stage 3 gathers at the next forward.
+        optimizer, then (stages 1-2) all-gather the parameters. Stage 3 (the sharded module's backward has put
+        the gradient shards on its parameters) only steps; its units are gathered at the next forward.
         The gradient shards are used up (stage 1's full gradients stay on the parameters until `zero_grad`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.stage == 3:
+            self.optimizer.step()
+            return loss
         for k, ids in enumerate(self.units):
-            if self.stage == 1 or self._ready[k]:       # stage 2-3: a unit some of whose gradients never came
+            if self.stage == 1 or self._ready[k]:       # stage 2: a unit some of whose gradients never came
                 if any(self.params[i].grad is not None for i in ids):
                     self._reduce_scatter_unit(k)
-                    if self.stage == 3:
-                        self._free_unit(k)
         if self.mixed:
             for chunk, g in zip(self.chunks, self.grad_shards):
                 chunk.grad = None if g is None else g.float()    # (c,) fp32 for the master step
@@ -299,9 +241,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             chunk.grad = None                           # the gradient shard has been used
             if self.mixed:
                 view.copy_(chunk.detach())              # fp32 master -> the model's dtype
-        if self.stage in (1, 2):
-            for k in range(len(self.units)):
-                self._all_gather_unit(k)
+        for k in range(len(self.units)):
+            self._all_gather_unit(k)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -330,7 +271,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     state_bytes = zero_state.state_bytes
 
     def full_parameters(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """Every parameter in full, by its name in `model` (`zero_state.param_names`; stage 3 gathers them;
+        """Every parameter in full, by its name in `model` (`zero_state.param_names`; gathered from the chunks;
         collective: call on every rank)."""
         out, names = {}, zero_state.param_names(self, model)
         for i, p in enumerate(self.params):
@@ -348,6 +289,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.stage == 3:
+            self.sharding.remove()
 
 
 def _as_groups(params) -> list[dict]:

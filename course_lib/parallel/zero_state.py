@@ -13,14 +13,12 @@ back only into the same rank of the same world size, which ``zero`` lets `load_s
 
 For another world size, `dcp_state_dict` describes the shard to PyTorch Distributed Checkpoint (DCP) the way
 FSDP2's optimizer state already is: every per-element state tensor (c_i,) becomes this rank's piece of a
-full-length flat tensor (numel_i,), a DTensor sharded on dim 0 over the group. ZeRO's layout is exactly DTensor's
-``Shard(0)`` of the flattened parameter (pieces of ceil(numel/N), the last ones shorter or empty; the padding is
-not saved), so each rank writes only its pieces (memory stays 1/N, unlike gathering every state tensor in full
-as ``get_optimizer_state_dict(full_state_dict=True)`` does) and DCP reads, on 2 ranks, the pieces that 4 ranks
-wrote. Scalars (AdamW's step, the same on every rank) are saved once. Keys are the parameters' names in the
-model (``state.<name>.exp_avg``); the inner optimizer must be of the same class. `dist_checkpoint.save` and
-``load`` use it for any optimizer with a ``dcp_state_dict`` method. Stage 3 is not covered: its parameters live
-only in the chunks, and the model's state dict would need them as DTensors too.
+full-length flat tensor (numel_i,), a DTensor sharded on dim 0 over the group (`course_lib.parallel.sharded_state`),
+so each rank writes only its pieces (memory stays 1/N, unlike gathering every state tensor in full as
+``get_optimizer_state_dict(full_state_dict=True)`` does) and DCP reads, on 2 ranks, the pieces that 4 ranks wrote.
+Keys are the parameters' names in the model (``state.<name>.exp_avg``); the inner optimizer must be of the same
+class. `dist_checkpoint.save` and ``load`` use it for any optimizer with a ``dcp_state_dict`` method. At stage 3
+the chunks are the sharded module's parameters, which the model's own DCP form saves (``module.shards``).
 
     dist_checkpoint.save(step_path(ckpt, 3), model=model, optimizer=zero, scheduler=sched, step=3, data_position=3)
     dist_checkpoint.load(latest(ckpt), model=model, optimizer=zero, scheduler=sched)     # on 4 ranks, or on 2
@@ -29,22 +27,21 @@ only in the chunks, and the model's state dict would need them as DTensors too.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from course_lib.measure.memory_stats import unique_bytes
+from course_lib.parallel import sharded_state
 
 __all__ = ["param_names", "shard_state_dict", "load_shard_state_dict", "dcp_state_dict", "load_dcp_state_dict",
            "state_bytes"]
 
 
 def param_names(zero, model: nn.Module | None = None) -> list[str]:
-    """The name of each of ``zero.params`` in ``model`` (default: the module it was built from), else its index."""
+    """The name of each of ``zero.params`` in ``model`` (default: the module it was built from; stage 3: the name of
+    its shard, which is the module's parameter), else its index."""
     model = model if model is not None else zero.model
     names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-    return [names.get(id(p), str(i)) for i, p in enumerate(zero.params)]
+    return [names.get(id(p), names.get(id(c), str(i))) for i, (p, c) in enumerate(zip(zero.params, zero.chunks))]
 
 
 def _layout(zero) -> dict:
@@ -73,72 +70,22 @@ def load_shard_state_dict(zero, state_dict: dict) -> None:
         view.copy_(m)                                       # fp32 master -> the model's dtype
 
 
-def _init_state(zero) -> None:
-    """Give the inner optimizer its state tensors, for DCP to load into: one step with zero gradients at lr 0
-    (what torch's ``get_optimizer_state_dict`` does), which leaves every parameter as it was."""
-    if zero.optimizer.state:
-        return
-    lrs = [g["lr"] for g in zero.param_groups]
-    for chunk in zero.chunks:
-        chunk.grad = torch.zeros_like(chunk)
-    for g in zero.param_groups:
-        g["lr"] = 0.0
-    zero.optimizer.step()
-    for g, lr in zip(zero.param_groups, lrs):
-        g["lr"] = lr
-    for chunk in zero.chunks:
-        chunk.grad = None
-
-
-def _own(zero, i: int) -> int:
-    """Elements of parameter i's chunk on this rank that are not padding: 0 to c_i."""
-    c = zero.sizes[i]
-    return max(0, min(c, zero.params[i].numel() - zero.rank * c))
-
-
 def dcp_state_dict(zero, model: nn.Module | None = None, for_load: bool = False) -> dict:
     """{'state': {name: {key: DTensor (numel,) or scalar}}, 'param_groups': [{..., 'params': [names]}]}: the shard
-    as pieces of full-length tensors (module docstring). The DTensors are views of the state: DCP saves from them,
-    or (``for_load``: the state is created first) loads into them; then call `load_dcp_state_dict`."""
-    if zero.stage == 3:
-        raise NotImplementedError("checkpoints of the course's ZeRO-3 are not supported (its parameters live only "
-                                  "in chunks): use ZeRO-1/2, or FSDP2 (fully_shard) with dist_checkpoint")
-    if for_load:
-        _init_state(zero)
-    group = zero.group if zero.group is not None else dist.group.WORLD
-    mesh = DeviceMesh.from_group(group, zero.chunks[0].device.type)
-    names, state = param_names(zero, model), {}
-    for i, chunk in enumerate(zero.chunks):
-        entry = dict(zero.optimizer.state.get(chunk, {}), **({"master": chunk.detach()} if zero.mixed else {}))
-        numel, n = zero.params[i].numel(), _own(zero, i)
-        state[names[i]] = {k: DTensor.from_local(v[:n], mesh, [Shard(0)], run_check=False, shape=(numel,),
-                                                 stride=(1,))
-                           if isinstance(v, torch.Tensor) and v.shape == (zero.sizes[i],) else v   # (c_i,) -> piece
-                           for k, v in entry.items()}
-    index = {id(c): i for i, c in enumerate(zero.chunks)}
-    groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[names[index[id(c)]] for c in g["params"]])
-              for g in zero.param_groups]
-    return {"state": state, "param_groups": groups}
+    as pieces of full-length tensors (`sharded_state.optimizer_dcp_state_dict`; with mixed precision the fp32
+    master chunks too). ``for_load``: the state is created first, for DCP to load into; then call
+    `load_dcp_state_dict`."""
+    return sharded_state.optimizer_dcp_state_dict(zero.optimizer, zero.chunks, [p.numel() for p in zero.params],
+                                                  param_names(zero, model), zero.group, for_load, zero.mixed)
 
 
 @torch.no_grad()
 def load_dcp_state_dict(zero, state: dict, model: nn.Module | None = None) -> None:
     """Put what DCP loaded into `dcp_state_dict(zero, for_load=True)`'s dict into the optimizer."""
-    names = param_names(zero, model)
-    for i, chunk in enumerate(zero.chunks):
-        own = zero.optimizer.state[chunk]
-        for k, v in state["state"][names[i]].items():
-            if isinstance(v, DTensor):                     # this rank's piece of the full-length tensor
-                target = chunk.data if k == "master" else own[k]
-                piece = v.to_local()
-                target[:piece.numel()].copy_(piece)
-                target[piece.numel():].zero_()              # the padding: zero, as in a run that never stopped
-            else:
-                own[k] = v
-        if zero.mixed:
-            zero.views[i].copy_(chunk.detach())
-    for g, saved in zip(zero.param_groups, state["param_groups"]):
-        g.update({k: v for k, v in saved.items() if k != "params"})
+    sharded_state.load_optimizer_dcp_state_dict(zero.optimizer, zero.chunks, param_names(zero, model), state)
+    if zero.mixed:
+        for chunk, view in zip(zero.chunks, zero.views):
+            view.copy_(chunk.detach())                      # fp32 master -> the model's dtype
 
 
 def state_bytes(zero) -> dict:
