@@ -26,6 +26,7 @@ from course_lib.measure.memory_stats import model_state_bytes
 from course_lib.model import build_model
 from course_lib.parallel.sharded_module import (ModuleShards, _resolve_whole, all_gather_flat, chunk_numel,
                                                 shard_module)
+from course_lib.parallel.clipping import global_grad_norm, sharded_module_grad_parts
 from course_lib.parallel.zero import ZeroOptimizer
 from course_lib.runtime.launch import run
 from course_lib.theory.memory import zero_model_state_bytes
@@ -104,6 +105,7 @@ def _train(model, opt, batches, step_fn=None) -> dict:
         loss.backward()
         if step == 0:
             res["grads"] = _full_grads(model)
+            res["norm"] = global_grad_norm(sharded_module_grad_parts(model)).item()
         if step == len(batches) - 1:           # the peak of model state: gradients and optimizer state
             res["state"] = model_state_bytes(model, opt)["total"]
             res["gathered_left"] = sum(p.untyped_storage().nbytes() for p in model.shards.full)
@@ -161,6 +163,7 @@ def _reference(cfg, batches, n, optimizer, kwargs) -> dict:
             res["losses"].append(sum(losses) / n)
         if step == 0:
             res["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
+            res["norm"] = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
         opt.step()
         opt.zero_grad()
     res["params"] = {k: p.detach().clone() for k, p in model.named_parameters()}
@@ -261,6 +264,7 @@ def test_equals_one_process(ranks, n, name):
         assert res["losses"] == pytest.approx(ref["losses"], rel=loss_rtol), f"{name} on {n} ranks: losses differ"
         _close(res["grads"], ref["grads"], f"{name} on {n} ranks, rank {rank}, gradients of step 1", *grad_tol,
                scaled=scaled)
+        assert res["norm"] == pytest.approx(ref["norm"], rel=grad_tol[0]), f"{name}: global gradient norm"
         _close(res["params"], ref["params"], f"{name} on {n} ranks, rank {rank}, after {STEPS} steps", rtol, atol,
                scaled=scaled)
 

@@ -11,7 +11,9 @@
     vocab.py               vocab-parallel embedding and cross-entropy                        lesson 04
     tensor_model.py        apply_tensor_parallel: a whole GPT tensor (+ sequence) parallel   lesson 04
     tensor_dtensor.py      the same with PyTorch DTensor's parallelize_module                lesson 04
-    zero.py                ZeRO stages 1-3 (apply_zero / ZeroOptimizer)                      lesson 05
+    sharded_module.py      ZeRO-3 shaped like FSDP2: shard_module, any optimizer, a policy  lesson 05
+    sharded_state.py       shards as DCP pieces of full-length tensors (any world size)     lessons 05, 09
+    zero.py                ZeRO stages 1-3 (apply_zero / ZeroOptimizer; 3 = shard_module)    lesson 05
     zero_state.py          what ZeroOptimizer holds: its shard's state dict, the DCP form    lessons 05, 09
     precision.py           number formats, dynamic loss scaling, fp32 master weights         lesson 06
     checkpointing.py       activation checkpointing, full and selective                      lesson 07

@@ -44,7 +44,8 @@ from course_lib import dist as cdist
 from course_lib.reference import reference_for
 
 __all__ = ["GradPart", "ShardGroups", "global_grad_norm", "clip_grads_with_norm_", "clip_grad_norm_",
-           "param_grad_parts", "tensor_parallel_grad_parts", "zero_grad_parts", "model_grad_norm",
+           "param_grad_parts", "tensor_parallel_grad_parts", "zero_grad_parts", "sharded_module_grad_parts",
+           "model_grad_norm",
            "clip_model_grad_norm_"]
 
 ShardGroups = Union[ProcessGroup, tuple[ProcessGroup, ...], None]   # sharded over these groups (None: replicated)
@@ -186,6 +187,16 @@ def zero_grad_parts(zero) -> list[GradPart]:
     group = zero.group if zero.group is not None else dist.group.WORLD
     grads = zero.grad_shards if zero.mixed else [c.grad for c in zero.chunks]
     return [(g, group) for g in grads if g is not None]
+
+
+def sharded_module_grad_parts(model: nn.Module) -> list[GradPart]:
+    """The gradients a module sharded by `sharded_module.shard_module` holds after backward: each shard's (the
+    own chunk of the mean gradient, padding included, which adds nothing) sharded over ``model.shards.group``, each
+    parameter kept whole replicated (counted once). Clipping them in place clips what any optimizer steps."""
+    sh = model.shards
+    group = sh.group if sh.group is not None else dist.group.WORLD
+    shards = {id(s) for s in sh.shards}
+    return [(p.grad, (group,) if id(p) in shards else None) for p in model.parameters() if p.grad is not None]
 
 
 def model_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:

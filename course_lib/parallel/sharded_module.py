@@ -97,6 +97,7 @@ def master_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
+@reference_for("05-zero3-gather")
 class ModuleShards:
     """What `shard_module` attaches to the module as ``module.shards``: the shards, the full parameters, the
     units and their hooks (module docstring). ``shards[i]`` is this rank's (c_i,) chunk of parameter i,
