@@ -53,7 +53,7 @@ from course_lib.parallel import sharded_state
 from course_lib.reference import reference_for
 
 __all__ = ["shard_module", "ModuleShards", "all_gather_flat", "reduce_scatter_flat", "chunk_numel", "fill_param",
-           "free_param", "master_dtype"]
+           "free_param", "gather_chunk", "master_dtype"]
 
 
 @reference_for("05-zero1", "05-zero3-gather")
@@ -90,6 +90,14 @@ def free_param(param: nn.Parameter) -> None:
     """ZeRO-3 free: release the full parameter's memory; the tensor (and what autograd saved of it) stays,
     with an empty storage, until `fill_param` fills it again (the trick of FSDP1)."""
     param.data.untyped_storage().resize_(0)
+
+
+def gather_chunk(chunk: torch.Tensor, shape: torch.Size, group=None) -> torch.Tensor:
+    """Every rank's (c,) chunk of one parameter -> the parameter in full, in `shape` (a new tensor; collective)."""
+    chunk = chunk.detach().contiguous()
+    full = torch.empty(chunk.numel() * dist.get_world_size(group), dtype=chunk.dtype, device=chunk.device)
+    all_gather_flat(full, chunk, group=group)
+    return full[:math.prod(shape)].view(shape)                                 # (N*c,) -> shape, padding dropped
 
 
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -305,20 +313,8 @@ class ModuleShards:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter in full, by its name in the module (shards gathered in their own dtype, whole
         parameters as they are). Collective: call on every rank."""
-        out, whole = {}, {id(p) for p in self.module.parameters() if id(p) in self.whole}
-        gathered = {}
-        for i, shard in enumerate(self.shards):
-            chunk = shard.detach().contiguous()
-            full = torch.empty(chunk.numel() * self.world, dtype=chunk.dtype, device=chunk.device)
-            all_gather_flat(full, chunk, group=self.group)
-            gathered[id(shard)] = full[:self.params[i].numel()].view(self.params[i].shape).clone()
-        for name, p in self.module.named_parameters():
-            out[name] = gathered[id(p)] if id(p) in gathered else p.detach().clone() if id(p) in whole else None
-        return out
-
-    def padded_numel(self) -> int:
-        """N x the sum of chunk sizes: the sharded parameters' count after padding each to a multiple of N."""
-        return self.world * sum(self.sizes)
+        full = {id(s): gather_chunk(s, p.shape, self.group) for s, p in zip(self.shards, self.params)}
+        return {name: full[id(p)] if id(p) in full else p.detach().clone() for name, p in self.module.named_parameters()}
 
     def remove(self) -> None:
         """Take the hooks off (the shards stay the module's parameters)."""

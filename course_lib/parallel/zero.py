@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from course_lib.parallel import zero_state
-from course_lib.parallel.sharded_module import (all_gather_flat, chunk_numel, fill_param, free_param,
+from course_lib.parallel.sharded_module import (all_gather_flat, chunk_numel, fill_param, free_param, gather_chunk,
                                                 reduce_scatter_flat, shard_module)
 from course_lib.reference import reference_for
 
@@ -273,13 +273,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def full_parameters(self, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """Every parameter in full, by its name in `model` (`zero_state.param_names`; gathered from the chunks;
         collective: call on every rank)."""
-        out, names = {}, zero_state.param_names(self, model)
-        for i, p in enumerate(self.params):
-            c = self.views[i].detach().contiguous()
-            full = torch.empty(c.numel() * self.world, dtype=c.dtype, device=c.device)
-            all_gather_flat(full, c, group=self.group)
-            out[names[i]] = full[:p.numel()].view_as(p).clone()
-        return out
+        names = zero_state.param_names(self, model)
+        return {names[i]: gather_chunk(self.views[i], p.shape, self.group) for i, p in enumerate(self.params)}
 
     def padded_numel(self) -> int:
         """N x sum of chunk sizes: the parameter count after padding each tensor to a multiple of N."""
