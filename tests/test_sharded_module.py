@@ -25,7 +25,7 @@ from course_lib.dist import global_mean
 from course_lib.measure.memory_stats import model_state_bytes
 from course_lib.model import build_model
 from course_lib.parallel.sharded_module import (ModuleShards, _resolve_whole, all_gather_flat, chunk_numel,
-                                                shard_module)
+                                                gather_chunk, shard_module)
 from course_lib.parallel.clipping import global_grad_norm, sharded_module_grad_parts
 from course_lib.parallel.zero import ZeroOptimizer
 from course_lib.runtime.launch import run
@@ -198,13 +198,67 @@ def _checks(cfg, batches, folder, save: bool) -> dict:
             dist_checkpoint.load(path, model=model, optimizer=opt)
         out[f"ckpt-{kind}"] = {"state": _full_optimizer_state(model, opt), "params": model.shards.full_state_dict()}
         out[f"ckpt-{kind}"]["resumed"] = _train(model, opt, batches[2:])["params"]
+    out["edge"] = _edge_cases(batches)
     if dist.get_rank() == 0:
-        out["ref"] = {name: _reference(cfg, batches, n, optimizer, kwargs) for name, (optimizer, kwargs) in RUNS.items()}
+        toy = Toy()
+        toy(torch.randn(8, 6, generator=torch.Generator().manual_seed(1))).backward()
+        out["toy_ref"] = {k: p.grad for k, p in toy.named_parameters()}
+        out["ref"] = {name: _reference(cfg, batches, n, optimizer, kwargs)
+                      for name, (optimizer, kwargs) in RUNS.items()}
         T = len(list(build_model(cfg).parameters()))
         out["formula"] = {m: zero_model_state_bytes(cfg.num_params(), n, 3, mixed=m, step_counters=T)["total"]
                           for m in (False, True)}
     dist.barrier()
     return out
+
+
+class Toy(torch.nn.Module):
+    """Two blocks, the first holding a Linear its forward never uses: its unit's gradients come only in part."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"used": torch.nn.Linear(6, 6),
+                                                               "unused": torch.nn.Linear(6, 6)}) for _ in range(2))
+        for b in self.blocks:
+            b.forward = lambda x, b=b: torch.tanh(b["used"](x))      # a ModuleDict has no forward of its own
+        self.head = torch.nn.Linear(6, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).pow(2).mean()
+
+
+def _edge_cases(batches) -> dict:
+    """A parameter without a gradient; a forward without grad; two micro-batches a step, with zero_grad set to
+    zeros instead of None: the same training as one micro-batch."""
+    r, n, out = dist.get_rank(), dist.get_world_size(), {}
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    toy = shard_module(Toy())
+    toy(x[r * 8 // n:(r + 1) * 8 // n]).backward()
+    out["toy_grads"] = _full_grads_or_none(toy)
+    out["toy_left"] = sum(p.untyped_storage().nbytes() for p in toy.shards.full)
+    model = shard_module(build_model(CFG, 0))
+    with torch.no_grad():
+        model(shard_batch(batches[0][0], r, n))
+    out["no_grad_left"] = sum(p.untyped_storage().nbytes() for p in model.shards.full)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    for x_, y_ in batches:
+        xs, ys = shard_batch(x_, r, n), shard_batch(y_, r, n)
+        for xm, ym in zip(xs.chunk(2), ys.chunk(2)):
+            (model.loss(xm, ym) / 2).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    out["accumulated"] = model.shards.full_state_dict()
+    return out
+
+
+def _full_grads_or_none(model) -> dict:
+    """Like `_full_grads`, None for a shard without a gradient."""
+    sh = model.shards
+    return {sh.names[i]: None if s.grad is None else gather_chunk(s.grad, sh.full[i].shape)
+            for i, s in enumerate(sh.shards)}
 
 
 def _full_optimizer_state(model, opt) -> dict:
@@ -321,6 +375,21 @@ def test_checkpoint_saved_on_4_loads_on_2(ranks, kind):
         _close(loaded["params"], saved["params"], f"{kind}: parameters loaded on 2 ranks, rank {rank}", 0, 0)
         _close(loaded["state"], saved["state"], f"{kind}: optimizer state loaded on 2 ranks, rank {rank}", 0, 0)
         _close(loaded["resumed"], saved["resumed"], f"{kind}: resumed on 2 ranks, rank {rank}", 1e-5, 2e-5)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_unused_parameter_no_grad_forward_and_accumulation(ranks, n):
+    ref = ranks[n][0]["toy_ref"]
+    for rank, out in enumerate(ranks[n]):
+        edge = out["edge"]
+        for k, g in edge["toy_grads"].items():
+            if ref[k] is None:
+                assert g is None, f"{k}: the forward never used it, yet its shard got a gradient"
+            else:
+                torch.testing.assert_close(g, ref[k], rtol=1e-5, atol=1e-7, msg=lambda m: f"toy {k}, rank {rank}: {m}")
+        assert edge["toy_left"] == 0 and edge["no_grad_left"] == 0, "gathered parameters not freed"
+        _close(edge["accumulated"], ranks[n][0]["ref"]["sgd"]["params"], f"two micro-batches a step, rank {rank}",
+               *TOL["sgd"])
 
 
 def test_bad_input_is_refused():

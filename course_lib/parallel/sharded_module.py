@@ -5,8 +5,9 @@
     loss = model.loss(x_local, y_local); loss.backward()        # .grad of every shard: the mean over ranks
     opt.step(); opt.zero_grad()
 
-Layout (the course's ZeRO, as in PyTorch FSDP2): every parameter tensor is flattened, padded with zeros to a
-multiple of N and cut into N equal chunks; rank r owns chunk r, of c = ceil(numel / N) elements. `shard_module`
+Layout (the course's ZeRO; DeepSpeed's stage 3 partitions a parameter the same way, FSDP2 cuts it along dim 0 and
+keeps its shape): every parameter tensor is flattened, padded with zeros to a multiple of N and cut into N equal
+chunks; rank r owns chunk r, of c = ceil(numel / N) elements. `shard_module`
 replaces each parameter of the module by an ``nn.Parameter`` of shape (c,), this rank's chunk, so
 ``module.parameters()`` are the shards and any ``torch.optim`` optimizer over them holds 1/N of the state.
 The chunks of one unit (a block of ``module.blocks``, and the module itself for the rest) are views of one flat
@@ -22,10 +23,12 @@ Just in time, by hooks on each unit's forward:
 - once every gradient of the unit has arrived (``register_post_accumulate_grad_hook``): cast them to
   ``reduce_dtype``, reduce-scatter them, divide by N, add the own chunk to each shard's ``.grad`` (in the shard's
   dtype) and free the full parameters. A callback at the end of backward finishes any unit whose gradients came
-  only in part (a parameter the loss did not use).
+  only in part: a parameter the loss did not use keeps ``.grad`` None, as in one process. Every rank must use the
+  same parameters (a static graph, as DDP's default assumes), or the ranks' collectives would not pair up.
 
 Mixed precision (FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``): the shards, their gradients and the
-optimizer state stay in fp32 (a bf16/fp16 module's parameters become fp32 master shards); the gathered parameters
+optimizer state stay in fp32 (a bf16/fp16 module's parameters become fp32 master shards: the course's choice, FSDP2
+keeps a bf16 module's shards in bf16); the gathered parameters
 are cast to ``compute_dtype`` before the all-gather (default: the parameter's own dtype), the gradients are reduced
 in ``reduce_dtype`` (default: ``compute_dtype``). ``keep_whole`` names parameters (or gives them) that stay whole on
 every rank, in their own dtype, never gathered; their gradients are averaged over the ranks by an all-reduce as
@@ -224,6 +227,7 @@ class ModuleShards:
         ref = self.full[ids[0]]
         dtype = self.reduce_dtype or ref.dtype
         send = torch.zeros(N, off[-1], dtype=dtype, device=ref.device)        # (N, S_k): row r goes to rank r
+        had = [self.full[i].grad is not None for i in ids]     # the same on every rank: a static graph
         for j, i in enumerate(ids):
             g, c = self.full[i].grad, self.sizes[i]
             if g is not None:
@@ -237,7 +241,7 @@ class ModuleShards:
         out.div_(N)
         for j, i in enumerate(ids):
             mine, shard = out[off[j]:off[j + 1]].to(self.shards[i].dtype), self.shards[i]
-            if shard.requires_grad:
+            if had[j]:
                 shard.grad = mine if shard.grad is None else shard.grad.add_(mine)   # accumulation adds
             self.full[i].grad = None                        # only the shard of the gradient stays
         self._ready[k] = 0
@@ -314,7 +318,8 @@ class ModuleShards:
         """Every parameter in full, by its name in the module (shards gathered in their own dtype, whole
         parameters as they are). Collective: call on every rank."""
         full = {id(s): gather_chunk(s, p.shape, self.group) for s, p in zip(self.shards, self.params)}
-        return {name: full[id(p)] if id(p) in full else p.detach().clone() for name, p in self.module.named_parameters()}
+        return {name: full[id(p)] if id(p) in full else p.detach().clone()       # a whole one: as it is
+                for name, p in self.module.named_parameters()}
 
     def remove(self) -> None:
         """Take the hooks off (the shards stay the module's parameters)."""

@@ -11,8 +11,9 @@ data parallelism keeps a full copy of the model state on every rank; ZeRO shards
                        (and again before its backward) and freed right after: `sharded_module.shard_module`,
                        which this optimizer uses (one implementation of stage 3)
 
-Layout (as in PyTorch FSDP2): every parameter tensor is flattened, padded with zeros to a multiple of N and
-cut into N equal chunks; rank r owns chunk r of every parameter. Its "shard" is the list of its chunks.
+Layout (as DeepSpeed's stage 3 partitions a parameter; FSDP2 instead cuts each tensor along dim 0 and keeps its
+shape, a DTensor ``Shard(0)``): every parameter tensor is flattened, padded with zeros to a multiple of N and cut
+into N equal chunks; rank r owns chunk r of every parameter. Its "shard" is the list of its chunks.
 The optimizer (any ``torch.optim`` class, e.g. AdamW) is built over the chunks only, so its state is 1/N.
 `ZeroOptimizer` is itself a ``torch.optim.Optimizer``: it takes parameters or parameter groups (stages 1-2; stage 3
 hooks the module's forward, so it takes the module), an LR scheduler drives its ``param_groups`` (the inner

@@ -177,7 +177,9 @@ def rank_try_reduce_scatter(fn: Callable, sizes=(2, 6, 10)) -> list[dict]:
 
 def rank_try_layer_gather(gather_fn: Callable, free_fn: Callable) -> dict:
     """A Linear layer sharded over the ranks: gather its parameters with the learner's `gather_fn(param, chunk,
-    group)`, run it, free them with `free_fn(param)`. Returns what the test compares."""
+    group)`, run it, free them with `free_fn(param)`; then gather another layer, different on every rank, over a
+    group of one rank (each rank alone): a gather that ignores `group` takes rank 0's values. Returns what the test
+    compares."""
     r, n, dev = dist.get_rank(), dist.get_world_size(), cdist.device()
     torch.manual_seed(0)
     layer = nn.Linear(7, 5).to(dev)                                    # 35 + 5 elements: not divisible by n
@@ -200,6 +202,15 @@ def rank_try_layer_gather(gather_fn: Callable, free_fn: Callable) -> dict:
     for p in layer.parameters():
         free_fn(p)
     freed = [p.data.untyped_storage().nbytes() for p in layer.parameters()]
-    return {"gathered_ok": all(torch.equal(gathered[k], full[k]) for k in full),
+    alone = [dist.new_group([k]) for k in range(n)]                    # every rank creates every group
+    torch.manual_seed(100 + r)                                         # other values on every rank
+    mine = nn.Linear(7, 5).to(dev)
+    own = [p.detach().reshape(-1).clone() for p in mine.parameters()]  # a group of one: the chunk is the whole
+    for p in mine.parameters():
+        p.data.untyped_storage().resize_(0)
+    for p, c in zip(mine.parameters(), own):
+        gather_fn(p, c, alone[r])
+    subgroup_ok = all(torch.equal(p.detach().reshape(-1), c) for p, c in zip(mine.parameters(), own))
+    return {"gathered_ok": all(torch.equal(gathered[k], full[k]) for k in full), "subgroup_ok": subgroup_ok,
             "output_ok": torch.allclose(y, expected, atol=1e-6), "freed_bytes": freed,
             "ops": [op for _, op, _, _ in counter.records]}
