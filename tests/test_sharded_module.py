@@ -46,6 +46,7 @@ RUNS = {  # name: (optimizer, shard_module keywords)
     "whole-sgd": ("sgd", {"keep_whole": NORMS}),
     "bf16": ("adamw", {"compute_dtype": BF16, "reduce_dtype": torch.float32}),
     "bf16-sgd": ("sgd", {"compute_dtype": BF16, "reduce_dtype": BF16}),
+    "fp16": ("adamw", {"compute_dtype": torch.float16, "reduce_dtype": torch.float32}),   # no loss scale: tiny model
 }
 
 
