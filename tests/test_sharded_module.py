@@ -240,6 +240,10 @@ def _edge_cases(batches) -> dict:
     toy(x[r * 8 // n:(r + 1) * 8 // n]).backward()
     out["toy_grads"] = _full_grads_or_none(toy)
     out["toy_left"] = sum(p.untyped_storage().nbytes() for p in toy.shards.full)
+    bare_root = shard_module(Toy(), keep_whole=["head.weight", "head.bias"])       # the root unit holds nothing
+    bare_root(x[r * 8 // n:(r + 1) * 8 // n]).backward()
+    out["bare_root_grads"] = dict(_full_grads_or_none(bare_root), **{"head.weight": bare_root.head.weight.grad,
+                                                                     "head.bias": bare_root.head.bias.grad})
     model = shard_module(build_model(CFG, 0))
     with torch.no_grad():
         model(shard_batch(batches[0][0], r, n))
@@ -388,6 +392,9 @@ def test_unused_parameter_no_grad_forward_and_accumulation(ranks, n):
                 assert g is None, f"{k}: the forward never used it, yet its shard got a gradient"
             else:
                 torch.testing.assert_close(g, ref[k], rtol=1e-5, atol=1e-7, msg=lambda m: f"toy {k}, rank {rank}: {m}")
+        for k, g in edge["bare_root_grads"].items():
+            if ref[k] is not None:
+                torch.testing.assert_close(g, ref[k], rtol=1e-5, atol=1e-7, msg=lambda m: f"bare root {k}: {m}")
         assert edge["toy_left"] == 0 and edge["no_grad_left"] == 0, "gathered parameters not freed"
         _close(edge["accumulated"], ranks[n][0]["ref"]["sgd"]["params"], f"two micro-batches a step, rank {rank}",
                *TOL["sgd"])

@@ -140,6 +140,9 @@ class ModuleShards:
         self.sizes = [chunk_numel(p.numel(), N) for p in self.params]           # c_i
         self.shards, self.full, self.unit_flat = [None] * len(self.params), [None] * len(self.params), []
         for k, ids in enumerate(self.units):
+            if not ids:                                     # a root whose parameters are all kept whole
+                self.unit_flat.append(None)
+                continue
             dtypes = {master_dtype(self.params[i].dtype) for i in ids}
             if len(dtypes) > 1:
                 raise ValueError(f"unit {k} mixes parameter dtypes {sorted(map(str, dtypes))}: one dtype per unit")
