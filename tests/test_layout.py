@@ -56,8 +56,6 @@ MAY_IMPORT = {
 }
 MAX_ROOT_MODULES = 8               # the core; everything else has a folder
 MAX_LINES = 500                    # split by concept, not by size
-OVERSIZED_UNTIL_SPLIT = {          # split in the planner issue: layouts, memory, time and search; each source's rows
-    "course_lib/theory/planner.py", "course_lib/lessons/l08_three_d/published.py"}
 
 
 def _module_name(path: Path, pkg: Path) -> str:
@@ -141,10 +139,10 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def oversized(files: dict[str, str], limit: int = MAX_LINES, exempt=OVERSIZED_UNTIL_SPLIT) -> list[str]:
-    """``path (N lines)`` of each file over ``limit`` lines that is not exempt ({relative path: text})."""
+def oversized(files: dict[str, str], limit: int = MAX_LINES) -> list[str]:
+    """``path (N lines)`` of each file over ``limit`` lines ({relative path: text})."""
     return [f"{path} ({n} lines)" for path, text in sorted(files.items())
-            if (n := len(text.splitlines())) > limit and path not in exempt]
+            if (n := len(text.splitlines())) > limit]
 
 
 def root_modules(pkg: Path = PKG) -> list[str]:
@@ -192,8 +190,6 @@ def test_no_module_over_500_lines():
     assert len(files) > 150
     bad = oversized(files)
     assert not bad, f"modules over {MAX_LINES} lines (split each by concept, not by size): {bad}"
-    assert oversized({p: files[p] for p in OVERSIZED_UNTIL_SPLIT}, exempt=()), \
-        "planner.py and published.py are under the limit now: remove them from OVERSIZED_UNTIL_SPLIT"
 
 
 def test_the_rules_reject_each_violation():
@@ -229,7 +225,6 @@ def test_the_rules_reject_each_violation():
     assert layer_of("course_lib.launch") is None and layer_of("course_lib.measure") == "measure"  # a stray root module
     big, small = "x = 1\n" * (MAX_LINES + 1), "x = 1\n" * MAX_LINES
     assert oversized({"course_lib/big.py": big, "course_lib/ok.py": small}) == ["course_lib/big.py (501 lines)"]
-    assert oversized({"course_lib/theory/planner.py": big}) == []
 
 
 def test_a_stray_root_module_is_refused(tmp_path):

@@ -199,7 +199,7 @@ def test_every_marked_implementation_is_a_source_read_without_importing():
     found = similarity.marked_sources()
     assert RING in found["02-ring-all-reduce"]
     assert found["02-ring-all-reduce"][RING].startswith("def ring_all_reduce(")       # the decorator is not code
-    assert "course_lib.theory.planner.stage_params" in found["08-stage-memory"]
+    assert "course_lib.theory.planner.stage_memory.stage_params" in found["08-stage-memory"]
 
 
 def test_the_report_shows_the_pair_side_by_side_offline_and_the_csv_cells(class02, tmp_path):
