@@ -51,7 +51,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
-from course_lib.parallel import sharded_state
 from course_lib.reference import reference_for
 
 __all__ = ["TrainState", "AsyncCheckpoint", "step_path", "checkpoints", "latest", "save", "load", "save_deepspeed",
@@ -226,12 +225,6 @@ class AsyncCheckpoint:
         return self._path
 
 
-def _shard_optimizer(model, optimizer) -> tuple:
-    """A plain optimizer over a sharded module's shards: (chunks, numels, names) as `sharded_state` takes them."""
-    sh = model.shards
-    return sh.shards, [p.numel() for p in sh.params], sh.names
-
-
 def _state_dicts(model, optimizer, for_load: bool = False) -> tuple[dict, dict]:
     """The model's and the optimizer's state dicts as DCP sees them: ``get_state_dict``, or, for an optimizer
     that describes its own shards (``dcp_state_dict``) or a sharded module (``model.shards``), their own."""
@@ -239,8 +232,7 @@ def _state_dicts(model, optimizer, for_load: bool = False) -> tuple[dict, dict]:
     if hasattr(optimizer, "dcp_state_dict"):
         optim_sd = optimizer.dcp_state_dict(model, for_load)
     elif shards is not None:
-        optim_sd = sharded_state.optimizer_dcp_state_dict(optimizer, *_shard_optimizer(model, optimizer),
-                                                          shards.group, for_load)
+        optim_sd = shards.optimizer_dcp_state_dict(optimizer, for_load)
     else:
         return get_state_dict(model, optimizer)
     return (shards.dcp_state_dict(for_load) if shards is not None else get_model_state_dict(model)), optim_sd
@@ -300,8 +292,7 @@ def load(path, *, model, optimizer, scheduler=None) -> TrainState:
             set_model_state_dict(model, state["model"])
         optimizer.load_dcp_state_dict(state["optim"], model)
     elif shards is not None:
-        chunks, _, names = _shard_optimizer(model, optimizer)
-        sharded_state.load_optimizer_dcp_state_dict(optimizer, chunks, names, state["optim"])
+        shards.load_optimizer_dcp_state_dict(optimizer, state["optim"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if scheduler is not None:

@@ -339,6 +339,16 @@ class ModuleShards:
         """Copy what DCP loaded into `dcp_state_dict(for_load=True)`'s dict into the shards."""
         sharded_state.load_module_dcp_state_dict(self, state)
 
+    def optimizer_dcp_state_dict(self, optimizer: torch.optim.Optimizer, for_load: bool = False) -> dict:
+        """The state of any optimizer over the shards for DCP, as pieces of full-length flat DTensors by the
+        parameters' names (`sharded_state.optimizer_dcp_state_dict`)."""
+        return sharded_state.optimizer_dcp_state_dict(optimizer, self.shards, [p.numel() for p in self.params],
+                                                      self.names, self.group, for_load)
+
+    def load_optimizer_dcp_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Put what DCP loaded into `optimizer_dcp_state_dict(for_load=True)`'s dict into the optimizer."""
+        sharded_state.load_optimizer_dcp_state_dict(optimizer, self.shards, self.names, state)
+
 
 def _resolve_whole(module: nn.Module, keep_whole) -> set[int]:
     """keep_whole: names of parameters (as in ``named_parameters()``) or the parameters -> their ids."""
