@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import platform
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,7 +26,9 @@ class GPUSpec:
 
     bf16_tflops: peak dense bf16 tensor-core TFLOP/s (V100 has no bf16: its fp16 tensor-core peak).
     mem_gb: memory (GB); mem_bw_gbs: memory bandwidth (GB/s);
-    link_gbs: per-GPU, one-direction bandwidth of the node-local interconnect (GB/s), named in ``link``.
+    link_gbs: per-GPU, one-direction bandwidth of the node-local interconnect (GB/s), named in ``link``;
+    sms: streaming multiprocessors (NVIDIA's A100 whitepaper: 108 on the A100; H100 whitepaper: 132 on the H100
+    SXM5, 114 on the H100 PCIe; V100: 80; T4: 40), 0 where not recorded.
     """
 
     name: str
@@ -36,6 +38,7 @@ class GPUSpec:
     link_gbs: float  # per-GPU unidirectional bandwidth of the node-local interconnect (GB/s)
     link: str
     source: str
+    sms: int = 0     # streaming multiprocessors (the planner's wave quantization, `theory.planner.matmuls`); 0: unknown
 
 
 # Vendor datasheets and whitepapers (dense numbers; NVIDIA lists "with sparsity" figures, which are 2x these).
@@ -97,6 +100,13 @@ GPU_SPECS: dict[str, GPUSpec] = {
                         "NVIDIA RTX Blackwell GPU architecture whitepaper (2025): RTX 5090 peak FP16/BF16 tensor "
                         "TFLOPS with FP32 accumulate 209.5 (419 with sparsity)"),
 }
+# Streaming multiprocessors, for the planner's wave quantization (`theory.planner.matmuls`): NVIDIA A100 Tensor Core
+# GPU Architecture whitepaper (2020): "108 SMs" on every A100; NVIDIA H100 Tensor Core GPU Architecture whitepaper
+# (2022): 132 SMs on the H100 SXM5, 114 on the H100 PCIe. The H800, H200 and GH200 carry the H100 SXM5's GH100
+# configuration (132; not read from an NVIDIA datasheet here). Rows not listed keep 0 (unknown).
+_SMS = {"A100": 108, "A100 40GB": 108, "A100 PCIe": 108, "A100 PCIe 40GB": 108, "H100": 132, "H800": 132,
+        "H100 PCIe": 114, "H200": 132, "GH200": 132}
+GPU_SPECS = {key: replace(spec, sms=_SMS.get(key, 0)) for key, spec in GPU_SPECS.items()}
 
 # How CUDA names these devices (torch.cuda.get_device_name), most specific first: the form factor decides the peak
 # (an H100 PCIe is not an H100 SXM), so a name matches a row only by its whole model number and form factor.

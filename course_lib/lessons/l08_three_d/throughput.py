@@ -21,7 +21,9 @@ from course_lib.lessons.l08_three_d.runs import (CALIBRATION, DEEPSEEK_V3, H800_
 
 __all__ = ["interleaving_gain", "layout_of", "source_flops", "predict", "tflops_of", "predicted_tflops", "calibrate",
            "Throughput", "rank_among_layouts", "long_context", "long_context_text", "moe_run", "moe_run_text",
-           "throughput_table", "throughput_summary", "throughput_text"]
+           "throughput_table", "throughput_summary", "throughput_text", "MATMULS_MODEL"]
+
+MATMULS_MODEL = "flat"          # how the published rows are priced: "flat" (one efficiency) or "shapes" (`planner.matmuls`)
 
 
 def interleaving_gain(kernel_efficiency: float = 0.4) -> dict:
@@ -32,7 +34,7 @@ def interleaving_gain(kernel_efficiency: float = 0.4) -> dict:
     cluster = Cluster("64 x 8 H100", t["nodes"], 8, 50.0)
     mb = t["global_batch"] // (t["dp"] * t["m"])
     rows = {sch: estimate(cfg, gpu, cluster, Layout(t["dp"], t["tp"], t["pp"], 1, "full", mb, sch, v, "dp+tp"),
-                          t["global_batch"], t["seq_len"], kernel_efficiency, elementwise="fused")
+                          t["global_batch"], t["seq_len"], kernel_efficiency, elementwise="fused", matmuls=MATMULS_MODEL)
             for sch, v in (("1f1b", 1), ("interleaved", t["v"]))}
     predicted = rows["1f1b"].time["total"] / rows["interleaved"].time["total"] - 1
     reported = t["tokens_per_s"]["interleaved"] / t["tokens_per_s"]["1f1b"] - 1
@@ -72,7 +74,7 @@ def _eps(run: PublishedRun) -> tuple:
 def predict(run: PublishedRun, kernel_efficiency: float) -> Estimate:
     """The planner's estimate of exactly the published layout, schedule and overlap."""
     return estimate(run.config, GPU_SPECS[run.gpu], run.cluster, layout_of(run), run.global_batch, run.seq_len,
-                    kernel_efficiency, grad_bytes=run.grad_bytes, elementwise=run.kernels, moe=run.moe)
+                    kernel_efficiency, grad_bytes=run.grad_bytes, elementwise=run.kernels, matmuls=MATMULS_MODEL, moe=run.moe)
 
 
 def tflops_of(run: PublishedRun, est: Estimate) -> float:
@@ -133,7 +135,7 @@ def rank_among_layouts(run: PublishedRun, kernel_efficiency: float) -> tuple[int
                 micro_batches=sorted({1, 2, 4, 8, mine.micro_batch}), zeros=sorted({0, mine.zero} if old else {0, 1}),
                 ckpts=("none", "full") if old else CKPT, grad_bytes=run.grad_bytes,
                 schedules=("1f1b", "interleaved") if old else SCHEDULES, vs=sorted({2, 3, 4, mine.v} - {1}),
-                overlaps=(run.overlap,), elementwise=run.kernels, cps=_cps(run),
+                overlaps=(run.overlap,), elementwise=run.kernels, matmuls=MATMULS_MODEL, cps=_cps(run),
                 cp_variants=CP_VARIANTS if run.cp > 1 else ("ring",), eps=_eps(run), moe=run.moe)
     feasible = [r for r in rows if r.feasible]
     rank = next((i + 1 for i, r in enumerate(feasible) if r.layout == mine), None)
@@ -158,7 +160,7 @@ def _placed(run: PublishedRun, rows: list, shape, kernel_efficiency: float, **kw
     shapes = list(dict.fromkeys(shape(r.layout) for r in feasible))
     best = feasible[0]
     one = lambda lay: estimate(cfg, gpu, run.cluster, lay, run.global_batch, run.seq_len, kernel_efficiency,
-                               grad_bytes=run.grad_bytes, elementwise=run.kernels, **kw)
+                               grad_bytes=run.grad_bytes, elementwise=run.kernels, matmuls=MATMULS_MODEL, **kw)
     none = one(dataclasses.replace(row.layout, ckpt="none"))
     tot = row.time["total"]
     recompute = row.time["compute"] * (1 - row.mfu / row.hfu)          # the recomputed forward's share of compute
@@ -186,7 +188,7 @@ def long_context(run: PublishedRun = LLAMA3_128K, kernel_efficiency: float = 0.4
     t0 = time.perf_counter()
     rows = plan(run.config, GPU_SPECS[run.gpu], run.cluster, run.global_batch, run.seq_len, kernel_efficiency,
                 zeros=(0, 1), schedules=SCHEDULES, grad_bytes=run.grad_bytes, overlaps=(run.overlap,),
-                elementwise=run.kernels, cps=_cps(run), cp_variants=CP_VARIANTS)
+                elementwise=run.kernels, matmuls=MATMULS_MODEL, cps=_cps(run), cp_variants=CP_VARIANTS)
     shape = lambda lay: (lay.dp, lay.tp, lay.pp, lay.cp, lay.cp_variant if lay.cp > 1 else "ring")
     out = _placed(run, rows, shape, kernel_efficiency)
     row, best, tot = out["row"], out["best"], out["row"].time["total"]
@@ -214,7 +216,7 @@ def moe_run(run: PublishedRun = DEEPSEEK_V3, kernel_efficiency: float = 0.4) -> 
     t0 = time.perf_counter()
     rows = plan(run.config, GPU_SPECS[run.gpu], run.cluster, run.global_batch, run.seq_len, kernel_efficiency,
                 micro_batches=(1, 2, 4), zeros=(0, 1), schedules=("1f1b", "zb-h1"), grad_bytes=run.grad_bytes,
-                overlaps=(run.overlap,), elementwise=run.kernels, eps=_eps(run), moe=run.moe)
+                overlaps=(run.overlap,), elementwise=run.kernels, matmuls=MATMULS_MODEL, eps=_eps(run), moe=run.moe)
     out = _placed(run, rows, lambda lay: (lay.dp, lay.tp, lay.pp, lay.ep), kernel_efficiency, moe=run.moe)
     row, best, tot = out["row"], out["best"], out["row"].time["total"]
     diffs = [f"{name} {getattr(best.layout, name)} instead of {getattr(row.layout, name)}"

@@ -119,12 +119,15 @@ multi-token prediction modules (``moe.mtp_depth``) enter the FLOPs only, not the
 """
 
 from course_lib.theory.experts import MoESpec
-from course_lib.theory.planner.layouts import (CKPT, CP_VARIANTS, DDP_BUCKET_BYTES, ELEMENTWISE, NOT_MODELLED, OVERLAPS,
-                                               SCHEDULES, TRAFFIC_PASSES, Cluster, Estimate, GiB, Layout, cp_refusals,
-                                               ep_refusals, layout_refusals, link)
+from course_lib.theory.planner.layouts import (ATTENTION, CKPT, CP_VARIANTS, DDP_BUCKET_BYTES, ELEMENTWISE, MATMULS,
+                                               NOT_MODELLED, OVERLAPS, SCHEDULES, TRAFFIC_PASSES, Cluster, Estimate,
+                                               GiB, Layout, block_of, cp_refusals, ep_refusals, layout_refusals, link)
+from course_lib.theory.planner.matmuls import (Gemm, gemm_seconds, head_gemm, implied_efficiency, layer_gemms,
+                                               matmul_seconds, quantization)
 from course_lib.theory.planner.search import estimate, plan
 from course_lib.theory.planner.stage_memory import (activation_bytes_per_gpu, cp_extra_layer_bytes,
-                                                    korthikanti_layer_bytes, layer_activation_bytes, layer_params,
+                                                    korthikanti_layer_bytes, layer_activation_bytes, layer_kept_bytes,
+                                                    layer_params,
                                                     model_state_bytes, moe_extra_layer_bytes, moe_stage_params,
                                                     position_params, stage_in_flight, stage_memory, stage_params)
 from course_lib.theory.planner.step_time import (cp_layer_time, elementwise_bytes, ep_layer_time, gemm_intensity,
@@ -135,4 +138,6 @@ __all__ = ["Cluster", "Layout", "Estimate", "estimate", "plan", "link", "layer_p
            "activation_bytes_per_gpu", "CKPT", "GiB", "NOT_MODELLED", "SCHEDULES", "OVERLAPS", "ELEMENTWISE",
            "DDP_BUCKET_BYTES", "TRAFFIC_PASSES", "elementwise_bytes", "gemm_intensity", "CP_VARIANTS", "cp_refusals",
            "cp_layer_time", "MoESpec", "ep_refusals", "moe_stage_params", "moe_extra_layer_bytes", "ep_layer_time",
-           "step_flops", "layout_refusals", "stage_memory", "step_time", "stage_in_flight", "cp_extra_layer_bytes"]
+           "step_flops", "layout_refusals", "stage_memory", "step_time", "stage_in_flight", "cp_extra_layer_bytes",
+           "ATTENTION", "MATMULS", "block_of", "layer_kept_bytes", "Gemm", "gemm_seconds", "head_gemm",
+           "implied_efficiency", "layer_gemms", "matmul_seconds", "quantization"]

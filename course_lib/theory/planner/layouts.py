@@ -12,7 +12,8 @@ from course_lib.theory import context as cp_theory
 from course_lib.theory.experts import MoESpec
 
 __all__ = ["Cluster", "Layout", "Estimate", "link", "layout_refusals", "cp_refusals", "ep_refusals", "CKPT", "GiB",
-           "NOT_MODELLED", "SCHEDULES", "OVERLAPS", "ELEMENTWISE", "DDP_BUCKET_BYTES", "TRAFFIC_PASSES", "CP_VARIANTS"]
+           "NOT_MODELLED", "SCHEDULES", "OVERLAPS", "ELEMENTWISE", "DDP_BUCKET_BYTES", "TRAFFIC_PASSES", "CP_VARIANTS",
+           "ATTENTION", "MATMULS", "block_of"]
 
 CKPT = ("none", "selective", "full")
 GiB = 2 ** 30           # GPU memory: an "80 GB" A100 holds 80 GiB (nvidia-smi: 81,920 MiB), not 80 x 10^9 bytes
@@ -23,6 +24,8 @@ ELEMENTWISE = ("none", "fused", "unfused")      # the memory-bound kernels' HBM 
 DDP_BUCKET_BYTES = 25 * 2 ** 20                 # PyTorch DDP's bucket_cap_mb=25: the last bucket cannot hide
 TRAFFIC_PASSES = {"none": 4, "selective": 4, "full": 5}   # HBM passes over what a layer keeps (`elementwise_bytes`)
 CP_VARIANTS = cp_theory.VARIANTS                         # "ring", "all_gather", "ulysses" (lesson 10)
+ATTENTION = ("flash", "naive")          # a fused kernel (no s x s scores kept) or the scores kept for backward
+MATMULS = ("flat", "shapes")            # one efficiency for every FLOP, or each GEMM by its shape (`matmuls`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,8 @@ class Layout:
     cp: int = 1                         # context-parallel ranks: each holds s/cp tokens of every sequence
     cp_variant: str = "ring"            # "ring", "all_gather" (Llama 3) or "ulysses" (`CP_VARIANTS`)
     ep: int = 1                         # expert-parallel ranks, borrowed from dp x cp (a MoE model only)
+    sp: bool | None = None              # sequence parallelism (None: as ``elementwise`` implies, `block_of`)
+    attention: str | None = None        # "flash" or "naive" (None: as ``elementwise`` implies, `block_of`)
 
     def label(self) -> str:
         """``dp16 tp8 pp12 zero0 ckpt=full mb1``, then the schedule and overlap where they are not the defaults;
@@ -66,7 +71,19 @@ class Layout:
         out = f"dp{self.dp} tp{self.tp} pp{self.pp}{cp} zero{self.zero} ckpt={self.ckpt} mb{self.micro_batch}"
         if self.schedule != "1f1b":
             out += f" {self.schedule}" + (f" v{self.v}" if self.schedule == "interleaved" else "")
+        out += f" sp={'on' if self.sp else 'off'}" if self.sp is not None else ""
+        out += f" attention={self.attention}" if self.attention is not None else ""
         return out + (f" overlap={self.overlap}" if self.overlap != "none" else "")
+
+
+def block_of(layout: Layout, elementwise: str = "none") -> tuple[bool, str]:
+    """(sequence parallelism, attention kernel) of the layout's transformer block: its own ``sp`` and ``attention``
+    where set, else what ``elementwise`` has always meant: "unfused" is Megatron-LM's 2021 block (no sequence
+    parallelism, the ``a s x s`` scores kept), "fused" and "none" today's (sequence parallelism, a fused kernel).
+    Megatron-LM's 2022 runs (Korthikanti et al.) are ``sp=True, attention="naive"``."""
+    old = elementwise == "unfused"
+    return (not old if layout.sp is None else layout.sp,
+            ("naive" if old else "flash") if layout.attention is None else layout.attention)
 
 
 @dataclasses.dataclass
@@ -198,6 +215,11 @@ def layout_refusals(cfg: ModelConfig, cluster: Cluster, layout: Layout, global_b
         raise ValueError(f"schedule={layout.schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if layout.overlap not in OVERLAPS:
         raise ValueError(f"overlap={layout.overlap!r}: choose one of {', '.join(OVERLAPS)}")
+    if layout.sp not in (None, True, False):
+        raise ValueError(f"sp={layout.sp!r}: True (sequence parallelism), False or None (as elementwise implies)")
+    if layout.attention not in (None, *ATTENTION):
+        raise ValueError(f"attention={layout.attention!r}: choose one of {', '.join(ATTENTION)} (or None: as "
+                         f"elementwise implies)")
     accum = max(1, global_batch // (dp * b))
     if layout.schedule == "interleaved":        # Megatron-LM's rules (--num-layers-per-virtual-pipeline-stage)
         if pp < 2 or layout.v < 2:

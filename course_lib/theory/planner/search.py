@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from course_lib.config import ModelConfig
 from course_lib.reference import reference_for
 from course_lib.theory.experts import MoESpec
@@ -19,7 +21,7 @@ __all__ = ["estimate", "plan"]
 def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_batch: int,
              seq_len: int | None = None, kernel_efficiency: float = 0.4, reserve_gib: float = 2.0,
              grad_bytes: int = 4, elementwise: str = "none", bucket_bytes: float = DDP_BUCKET_BYTES,
-             moe: MoESpec | None = None) -> Estimate:
+             moe: MoESpec | None = None, matmuls: str = "flat") -> Estimate:
     """Memory per GPU and step time of one layout (see the package docstring). ``gpu``: a `hardware.GPUSpec` (its
     ``mem_gb`` read as GiB); ``kernel_efficiency``: the assumed fraction of peak at which the GPUs execute their
     matmul FLOPs (recomputation included: a hardware FLOPs utilisation); ``grad_bytes``: 4 (fp32 gradients, the
@@ -28,7 +30,9 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     optimizer step's (it reads and writes each model-state byte once); "unfused" is Megatron-LM's 2021 block, whose
     activations are then counted without sequence parallelism (`activation_bytes_per_gpu`, ``block="2021"``);
     ``bucket_bytes``: the gradient bucket that cannot hide when ``layout.overlap`` overlaps DP; ``moe``: the
-    model's mixture of experts (`MoESpec`; None: dense), which ``layout.ep`` shards (the package docstring)."""
+    model's mixture of experts (`MoESpec`; None: dense), which ``layout.ep`` shards (the package docstring);
+    ``matmuls``: "flat" (every FLOP at ``kernel_efficiency``) or "shapes" (each GEMM by its shape,
+    `matmuls.matmul_seconds`)."""
     s = cfg.seq_len if seq_len is None else seq_len
     why, not_modelled, accum = layout_refusals(cfg, cluster, layout, global_batch, s, moe)
     memory, memory_stage, split = stage_memory(cfg, layout, accum, s, moe, grad_bytes, reserve_gib,
@@ -36,7 +40,7 @@ def estimate(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_bat
     if memory["total"] > gpu.mem_gb * GiB:
         why.append(f"needs {memory['total'] / GiB:.1f} GiB per GPU ({memory_stage} stage) > {gpu.mem_gb:g} GiB")
     t = step_time(cfg, gpu, cluster, layout, global_batch, accum, s, memory, split, kernel_efficiency, grad_bytes,
-                  elementwise, bucket_bytes, moe)
+                  elementwise, bucket_bytes, moe, matmuls)
     time, p2p = t["time"], t["p2p_messages"]
     est = Estimate(layout, accum, memory, time, "; ".join(why), memory_stage=memory_stage, not_modelled=not_modelled,
                    exposed=t["exposed"], in_flight=stage_in_flight(layout, accum, "first"), p2p_messages=p2p,
@@ -56,7 +60,7 @@ def plan(cfg: ModelConfig, gpu, cluster: Cluster, global_batch: int, seq_len: in
          kernel_efficiency: float = 0.4, micro_batches=(1, 2, 4, 8), zeros=(0, 1, 2, 3), ckpts=CKPT,
          reserve_gib: float = 2.0, grad_bytes: int = 4, schedules=("1f1b",), vs=(2, 3, 4), overlaps=("none",),
          elementwise: str = "none", cps=(1,), cp_variants=("ring",), eps=(1,),
-         moe: MoESpec | None = None) -> list[Estimate]:
+         moe: MoESpec | None = None, matmuls: str = "flat", sps=(None,), attentions=(None,)) -> list[Estimate]:
     """Every layout (tp a divisor of a node's GPUs, pp any divisor of the rest, dp what remains; each ZeRO stage,
     recomputation, micro-batch, schedule and overlap asked for): feasible ones first by step time, then the
     infeasible ones with their reasons, then those not modelled (a pipeline with ZeRO-2/3). A tp that does not divide
@@ -72,7 +76,8 @@ def plan(cfg: ModelConfig, gpu, cluster: Cluster, global_batch: int, seq_len: in
     heads cannot take, and says why).
 
     Expert parallelism likewise (``eps``, default 1; a MoE model, ``moe``): each ep of ``eps`` that divides dp x cp
-    and the experts (`ep_refusals`)."""
+    and the experts (`ep_refusals`). ``sps`` and ``attentions``: the sequence parallelism and attention kernels to
+    list (default None: as ``elementwise`` implies, `block_of`); ``matmuls`` goes to `estimate`."""
     n = cluster.n_gpus
     rows = []
     shapes = [(tp, cp, variant) for tp in [d for d in _divisors(min(cluster.gpus_per_node, n)) if n % d == 0]
@@ -88,12 +93,12 @@ def plan(cfg: ModelConfig, gpu, cluster: Cluster, global_batch: int, seq_len: in
                     for b in micro_batches:
                         for sch, v in kinds:
                             for ov in overlaps:
-                                for ep in eps:
-                                    layout = Layout(dp, tp, pp, zero, ckpt, b, sch, v, ov, cp, variant, ep)
+                                for ep, sp, att in itertools.product(eps, sps, attentions):
+                                    layout = Layout(dp, tp, pp, zero, ckpt, b, sch, v, ov, cp, variant, ep, sp, att)
                                     if ep > 1 and ep_refusals(layout, moe):
                                         continue
                                     rows.append(estimate(cfg, gpu, cluster, layout, global_batch, seq_len,
                                                          kernel_efficiency, reserve_gib, grad_bytes, elementwise,
-                                                         moe=moe))
+                                                         moe=moe, matmuls=matmuls))
     order = {"feasible": 0, "infeasible": 1, "not modelled": 2}
     return sorted(rows, key=lambda e: (order[e.status], e.time["total"], e.memory["total"]))

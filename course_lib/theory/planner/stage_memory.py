@@ -13,10 +13,10 @@ from course_lib.reference import reference_for
 from course_lib.theory import context as cp_theory
 from course_lib.theory import pipeline
 from course_lib.theory.experts import MoESpec
-from course_lib.theory.planner.layouts import GiB, Layout
+from course_lib.theory.planner.layouts import GiB, Layout, block_of
 
 __all__ = ["layer_params", "position_params", "stage_params", "model_state_bytes", "layer_activation_bytes",
-           "korthikanti_layer_bytes", "activation_bytes_per_gpu", "cp_extra_layer_bytes", "moe_stage_params",
+           "korthikanti_layer_bytes", "layer_kept_bytes", "activation_bytes_per_gpu", "cp_extra_layer_bytes", "moe_stage_params",
            "moe_extra_layer_bytes", "stage_in_flight", "stage_memory"]
 
 # ----------------------------------------------------------------------------------------------- parameters
@@ -133,23 +133,46 @@ def korthikanti_layer_bytes(cfg: ModelConfig, tp: int, seq_len: int | None = Non
     return s * b * h * per_sbh
 
 
+def layer_kept_bytes(cfg: ModelConfig, tp: int, seq_len: int, micro_batch: int = 1, sp: bool = True,
+                     attention: str = "flash", ckpt: str = "none") -> float:
+    """Bytes one layer keeps for backward on one GPU under each of Korthikanti et al.'s combinations (2022, table
+    2): sequence parallelism on or off, the attention kernel (``"naive"`` keeps the ``a s x s`` scores, softmax
+    output and dropout mask, ``5as/(ht)`` sbh; ``"flash"`` keeps none), recomputation none or selective (full is
+    the layer input, counted by `activation_bytes_per_gpu`).
+
+    ``"naive"``: their GPT-block count, `korthikanti_layer_bytes` (``sbh (34/t + 5as/(ht))`` with SP, ``sbh (10 +
+    24/t + 5as/(ht))`` without; selective drops the scores' term). ``"flash"``: `layer_activation_bytes` (today's
+    blocks, SP), and without SP the parts SP shards (the norms' inputs, the gathered norm outputs, the dropout
+    masks: Korthikanti's ``10 sbh`` that TP alone replicates) whole on every TP rank; selective frees the kernel's
+    log-sum-exp."""
+    s, b, t = seq_len, micro_batch, tp
+    if attention == "naive":
+        return korthikanti_layer_bytes(cfg, t, s, b, sequence_parallel=sp, selective=ckpt == "selective")
+    parts = layer_activation_bytes(cfg, t, s, b)
+    if not sp:
+        for name in ("norms", "gathered", "dropout"):
+            parts[name] *= t
+    return sum(parts.values()) - (parts["logsumexp"] if ckpt == "selective" else 0)
+
+
 def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_len: int | None = None,
                              stage: str = "first", block: str = "today", moe: MoESpec | None = None) -> int:
     """Activations of a pipeline stage, bytes per GPU: the first (``stage="first"``, it holds the most
     micro-batches) or the last (``"last"``, one micro-batch in flight).
 
-    Per layer `layer_activation_bytes` (Korthikanti et al. 2022's count redone for fused attention, SwiGLU, GQA and
-    RMSNorm). ``ckpt="selective"`` recomputes the attention core as Korthikanti et al. do, which in their count frees
-    the ``a s x s`` scores, softmax output and dropout mask (``5as/(ht)`` sbh, 10 sbh of their 14.25 for GPT-3 at
-    t = 8). A fused attention kernel never keeps those (it recomputes the scores in its own backward), so here
-    selective recomputation frees only the kernel's fp32 log-sum-exp (``4asb/t`` bytes, 0.004 sbh for GPT-3 at t = 8,
-    0.1 % of the layer's 4.0 sbh) and pays for recomputing the attention core: kept in the table to show that it saves
-    almost nothing once attention is fused. ``ckpt="full"`` keeps each layer's input, ``2sbh/t``, plus one layer's
-    activations while it is recomputed. The stage holds `stage_in_flight` micro-batches of ceil(L/pp) layers: under
-    1F1B and ZB-H1 ``min(pp, m)`` on the first stage and one on the last; interleaved 1F1B holds more.
-    ``block="2021"``: Megatron-LM's block of 2021 (no sequence parallelism, attention that keeps its ``a s x s``
-    scores): Korthikanti et al.'s ``sbh (10 + 24/t + 5as/(ht))`` per layer (`korthikanti_layer_bytes`), and with
-    full recomputation a layer input of ``2sbh`` (whole on every TP rank).
+    Per layer `layer_kept_bytes` of the layout's block: sequence parallelism and the attention kernel are the
+    layout's ``sp`` and ``attention`` where set, else ``block`` says: ``"today"`` (SP, fused attention: Korthikanti
+    et al. 2022's count redone for fused attention, SwiGLU, GQA and RMSNorm, `layer_activation_bytes`) or
+    ``"2021"`` (Megatron-LM's block of 2021: no SP, attention that keeps its ``a s x s`` scores, Korthikanti et
+    al.'s ``sbh (10 + 24/t + 5as/(ht))``). ``ckpt="selective"`` recomputes the attention core as Korthikanti et al.
+    do, which frees the scores, softmax output and dropout mask of naive attention (``5as/(ht)`` sbh, 10 sbh of
+    their 14.25 for GPT-3 at t = 8). A fused attention kernel never keeps those (it recomputes the scores in its own
+    backward), so there selective recomputation frees only the kernel's fp32 log-sum-exp (``4asb/t`` bytes, 0.004
+    sbh for GPT-3 at t = 8) and pays for recomputing the attention core: kept in the table to show that it saves
+    almost nothing once attention is fused. ``ckpt="full"`` keeps each layer's input, ``2sbh/t`` with SP (``2sbh``
+    without: whole on every TP rank), plus one layer's activations while it is recomputed. The stage holds
+    `stage_in_flight` micro-batches of ceil(L/pp) layers: under 1F1B and ZB-H1 ``min(pp, m)`` on the first stage
+    and one on the last; interleaved 1F1B holds more.
 
     With context parallelism (``layout.cp > 1``) every count is of the rank's s/cp tokens, and a layer also keeps
     what its variant keeps beyond them (`cp_extra_layer_bytes`; the ring nothing).
@@ -157,32 +180,24 @@ def activation_bytes_per_gpu(cfg: ModelConfig, layout: Layout, accum: int, seq_l
     With ``moe`` every layer is counted as a MoE block: a SwiGLU MLP of hidden size k F + F_s
     (`MoESpec.active_d_ff`) plus `moe_extra_layer_bytes`.
     """
+    if block not in ("today", "2021"):
+        raise ValueError(f"block={block!r}: 'today' or '2021'")
+    sp, attention = block_of(layout, "unfused" if block == "2021" else "fused")
     s = cfg.seq_len if seq_len is None else seq_len
     if moe is not None:
         cfg = cfg.replace(d_ff=moe.active_d_ff)
     b, h, t = layout.micro_batch, cfg.d_model, layout.tp
     layers = math.ceil(cfg.n_layer / layout.pp)
     full_s, s = s, s // layout.cp                                       # the rank's s/cp tokens
-    parts = layer_activation_bytes(cfg, t, s, b)
-    full_layer = (sum(parts.values()) + cp_extra_layer_bytes(cfg, layout, full_s)
-                  + moe_extra_layer_bytes(cfg, moe, t, s, b))
-    if block == "2021":
-        full_layer = korthikanti_layer_bytes(cfg, t, s, b, sequence_parallel=False)
-        kept = {"none": full_layer, "full": 2 * s * b * h,
-                "selective": korthikanti_layer_bytes(cfg, t, s, b, sequence_parallel=False, selective=True)}
-        return int(layers * kept[layout.ckpt] * stage_in_flight(layout, accum, stage)
-                   + (full_layer if layout.ckpt == "full" else 0))
-    if block != "today":
-        raise ValueError(f"block={block!r}: 'today' or '2021'")
-    if layout.ckpt == "none":
-        per_mb = layers * full_layer
-    elif layout.ckpt == "selective":
-        per_mb = layers * (full_layer - parts["logsumexp"])
-    else:                                                               # full: each layer's input, 2sbh/t
-        per_mb = layers * 2 * s * b * h / t
+    extra = cp_extra_layer_bytes(cfg, layout, full_s) + moe_extra_layer_bytes(cfg, moe, t, s, b)
+    full_layer = layer_kept_bytes(cfg, t, s, b, sp, attention) + extra
+    if layout.ckpt == "full":                                           # each layer's input
+        per_layer = 2 * s * b * h / (t if sp else 1)
+    else:
+        per_layer = layer_kept_bytes(cfg, t, s, b, sp, attention, layout.ckpt) + extra
     in_flight = stage_in_flight(layout, accum, stage)
-    extra = full_layer if layout.ckpt == "full" else 0                  # the layer being recomputed
-    return int(per_mb * in_flight + extra)
+    recomputed = full_layer if layout.ckpt == "full" else 0             # the layer being recomputed
+    return int(layers * per_layer * in_flight + recomputed)
 
 
 def cp_extra_layer_bytes(cfg: ModelConfig, layout: Layout, seq_len: int) -> int:

@@ -13,8 +13,10 @@ from course_lib.theory import comm, flops, pipeline
 from course_lib.theory import context as cp_theory
 from course_lib.theory import experts as moe_theory
 from course_lib.theory.experts import MoESpec
-from course_lib.theory.planner.layouts import DDP_BUCKET_BYTES, ELEMENTWISE, TRAFFIC_PASSES, Cluster, Layout, link
-from course_lib.theory.planner.stage_memory import korthikanti_layer_bytes, layer_activation_bytes
+from course_lib.theory.planner.layouts import (DDP_BUCKET_BYTES, ELEMENTWISE, MATMULS, TRAFFIC_PASSES, Cluster, Layout,
+                                               block_of, link)
+from course_lib.theory.planner.matmuls import matmul_seconds
+from course_lib.theory.planner.stage_memory import layer_kept_bytes
 
 __all__ = ["step_flops", "elementwise_bytes", "gemm_intensity", "cp_layer_time", "ep_layer_time", "step_time"]
 
@@ -41,26 +43,27 @@ def step_flops(cfg: ModelConfig, global_batch: int, seq_len: int, moe: MoESpec |
 
 
 def elementwise_bytes(cfg: ModelConfig, tp: int, seq_len: int | None = None, micro_batch: int = 1,
-                      ckpt: str = "full", kernels: str = "fused") -> float:
+                      ckpt: str = "full", kernels: str = "fused", sp: bool | None = None,
+                      attention: str | None = None) -> float:
     """HBM bytes one layer's memory-bound kernels (norms, activation functions, softmax, dropout, residual adds,
     bias adds) move per micro-batch on one GPU in a training step: a roofline for everything that is not a matmul.
 
     The rule (an assumption, stated, not fitted): what a layer keeps for backward is what its elementwise kernels
     write; each kept byte crosses HBM ``TRAFFIC_PASSES[ckpt]`` times: written in forward, read in backward, its
     gradient written and read in backward (4), and written once more by the recomputed forward with full
-    recomputation (5). ``kernels="fused"``: today's blocks (fused attention, the planner's count,
-    `layer_activation_bytes`); ``"unfused"``: Megatron-LM's 2021 block, Korthikanti et al.'s count without sequence
-    parallelism, whose ``5as/(ht)`` term is the ``a s x s`` scores, softmax and dropout mask
+    recomputation (5). What a layer keeps: `layer_kept_bytes` of its block, sequence parallelism ``sp`` and the
+    attention kernel ``attention`` where given, else as ``kernels`` says: ``"fused"``, today's blocks (SP, fused
+    attention, `layer_activation_bytes`); ``"unfused"``, Megatron-LM's 2021 block, Korthikanti et al.'s count
+    without sequence parallelism, whose ``5as/(ht)`` term is the ``a s x s`` scores, softmax and dropout mask
     (`korthikanti_layer_bytes`). These kernels run between the matmuls, so their time adds to the matmuls' time."""
     if kernels == "none":
         return 0.0
-    if kernels == "unfused":
-        kept = korthikanti_layer_bytes(cfg, tp, seq_len, micro_batch, sequence_parallel=False)
-    elif kernels == "fused":
-        kept = sum(layer_activation_bytes(cfg, tp, seq_len, micro_batch).values())
-    else:
+    if kernels not in ("fused", "unfused"):
         raise ValueError(f"kernels={kernels!r}: choose one of {', '.join(ELEMENTWISE)}")
-    return TRAFFIC_PASSES[ckpt] * kept
+    s = cfg.seq_len if seq_len is None else seq_len
+    sp = kernels == "fused" if sp is None else sp
+    attention = ("flash" if kernels == "fused" else "naive") if attention is None else attention
+    return TRAFFIC_PASSES[ckpt] * layer_kept_bytes(cfg, tp, s, micro_batch, sp, attention)
 
 
 def gemm_intensity(cfg: ModelConfig, tp: int, seq_len: int | None = None, micro_batch: int = 1) -> float:
@@ -120,10 +123,14 @@ def cp_layer_time(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, seq_l
 @reference_for("08-step-time")
 def step_time(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_batch: int, accum: int, seq_len: int,
               memory: dict, split: dict, kernel_efficiency: float = 0.4, grad_bytes: int = 4,
-              elementwise: str = "none", bucket_bytes: float = DDP_BUCKET_BYTES, moe: MoESpec | None = None) -> dict:
+              elementwise: str = "none", bucket_bytes: float = DDP_BUCKET_BYTES, moe: MoESpec | None = None,
+              matmuls: str = "flat") -> dict:
     """{time (seconds by part, ``total``), exposed (what no compute hides, by part), model_flops, recompute (executed
     / model FLOPs), p2p_messages, act_msg (bytes of one activation message before TP)}: the package docstring's
-    time model for one layout; ``memory`` and ``split`` are `stage_memory`'s."""
+    time model for one layout; ``memory`` and ``split`` are `stage_memory`'s. ``matmuls="flat"``: every executed
+    FLOP at ``kernel_efficiency``; ``"shapes"``: each GEMM by its shape (`matmuls.matmul_seconds`: tile and wave
+    quantization, the roofline, the LM head never recomputed), FLOPs the GEMM list does not hold (multi-token
+    prediction) at ``kernel_efficiency``."""
     s, dp, tp, pp, b, cp, ep = seq_len, layout.dp, layout.tp, layout.pp, layout.micro_batch, layout.cp, layout.ep
     n = s // cp                                                         # tokens of a sequence on one GPU
     edp = max(1, dp * cp // ep)                                         # expert-data-parallel ranks
@@ -136,10 +143,19 @@ def step_time(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_ba
     # token instead of 2 + 4 = 6 (Narayanan et al. 2021, appendix: 96 B s l h^2 with recomputation, 72 without)
     recompute = {"none": 1.0, "selective": 1 + attn / (3 * layer_fwd), "full": 8 / 6}[layout.ckpt]
     compute = model_flops * recompute / (cluster.n_gpus * gpu.bf16_tflops * 1e12 * kernel_efficiency)
+    sp, attention = block_of(layout, elementwise)
+    if matmuls == "shapes":
+        mm = matmul_seconds(cfg, gpu, tp, pp, n, s, b, layout.ckpt, kernel_efficiency, attention, moe, ep)
+        rest = max(0.0, model_flops / (cluster.n_gpus * accum) - mm["model_flops"])   # per micro-batch
+        compute = accum * (mm["seconds"] + rest * recompute / (gpu.bf16_tflops * 1e12 * kernel_efficiency))
+        recompute = (mm["flops"] + rest * recompute) / (mm["model_flops"] + rest)
+    elif matmuls != "flat":
+        raise ValueError(f"matmuls={matmuls!r}: choose one of {', '.join(MATMULS)}")
     layers = math.ceil(cfg.n_layer / pp)
     # memory-bound kernels: HBM bytes / bandwidth, per layer per micro-batch, for the stage's layers
     acfg = cfg if moe is None else cfg.replace(d_ff=moe.active_d_ff)   # a token's MLP width (MoE: k F + F_s)
-    memory_bound = layers * accum * elementwise_bytes(acfg, tp, n, b, layout.ckpt, elementwise) / (gpu.mem_bw_gbs * 1e9)
+    memory_bound = layers * accum * elementwise_bytes(acfg, tp, n, b, layout.ckpt, elementwise, sp,
+                                                      attention) / (gpu.mem_bw_gbs * 1e9)
     # the optimizer step is memory-bound too: it reads and writes each model-state byte of the GPU once
     optimizer = 0.0 if elementwise == "none" else 2 * memory["model_states"] / (gpu.mem_bw_gbs * 1e9)
     work = compute + memory_bound                                       # one GPU's busy time per step
