@@ -179,3 +179,30 @@ def test_experts_starve_with_few_tokens_each_and_ep_feeds_them():
 def test_matmuls_refuses_an_unknown_model():
     with pytest.raises(ValueError, match="matmuls"):
         estimate(GPT3, A100, Cluster("64 x 8", 64, 8, 25.0), Layout(64, 8, 1), 512, matmuls="exact")
+
+
+# ------------------------------------------------------------------------------ TP's backward behind wgrad
+
+def test_tp_backward_collectives_hide_behind_the_weight_gradients():
+    """Issue 44, item 3, constructed: Megatron-LM's asynchronous TP all-reduce runs each column-parallel linear's
+    input-gradient collective while its weight-gradient GEMM runs. With a long micro-batch (8 sequences) both hide:
+    what stays exposed is the forward's 2 of the 4 collectives per layer (4 of 6 with full recomputation); TP
+    across nodes at 1 GB/s with one sequence per micro-batch hides only the weight gradients' length of each; DP's
+    overlap comes with "dp+tp-bwd" only."""
+    cl = Cluster("64 x 8 A100", 64, 8, 25.0)
+    for ckpt, forward_share in (("none", 2 / 4), ("full", 4 / 6)):
+        lay = Layout(8, 8, 8, 1, ckpt, 8, overlap="tp-bwd")
+        e = estimate(GPT3, A100, cl, lay, 512, kernel_efficiency=0.5)
+        assert e.exposed["tp"] == pytest.approx(forward_share * e.time["tp"], rel=1e-12)
+        far = Cluster("512 x 1 A100", 512, 1, 1.0)
+        slow = estimate(GPT3, A100, far, dataclasses.replace(lay, micro_batch=1), 512, kernel_efficiency=0.5)
+        hidden = slow.time["tp"] - slow.exposed["tp"]
+        assert forward_share * slow.time["tp"] < slow.exposed["tp"] < slow.time["tp"]
+        assert hidden < 0.05 * slow.time["tp"]                                  # the wgrad GEMMs are short
+        none = estimate(GPT3, A100, cl, dataclasses.replace(lay, overlap="none"), 512, kernel_efficiency=0.5)
+        assert none.exposed["tp"] == none.time["tp"] == e.time["tp"] and none.exposed["dp"] == e.exposed["dp"]
+        both = estimate(GPT3, A100, cl, dataclasses.replace(lay, overlap="dp+tp-bwd"), 512, kernel_efficiency=0.5)
+        assert both.exposed["tp"] == e.exposed["tp"] and both.exposed["dp"] < e.exposed["dp"]
+        assert both.time["total"] <= both.no_overlap_s
+    one = estimate(GPT3, A100, Cluster("512", 512, 1, 25.0), Layout(64, 1, 8, 1, "none", 8, overlap="tp-bwd"), 512)
+    assert one.exposed["tp"] == one.time["tp"] == 0.0                   # tp 1: nothing to hide

@@ -16,7 +16,8 @@
 
 - :data:`WEAK_SCALING` (Narayanan et al. 2021's table 1, each row's micro-batch, schedule and DDP read from the
   paper's artifact) and :data:`THROUGHPUT_RUNS` (those plus :data:`PUBLISHED`): :func:`throughput_table` calibrates
-  the A100's matmul efficiency (an HFU) on the ONE row :data:`CALIBRATION` and predicts every other run's TFLOP/s per
+  one matmul efficiency (an HFU) per GPU generation on ONE row of it (:data:`CALIBRATIONS`: the A100's on
+  :data:`CALIBRATION`, the H100's on Llama 3's 8K row; `efficiencies`) and predicts every other run's TFLOP/s per
   GPU with it held fixed, in the source's FLOP count, beside a constant baseline (the calibration row's fraction of
   peak); :func:`throughput_text` prints the table `benchmarks/bench_planner.py` prints.
   :func:`interleaving_gain`: the planner's gain of interleaved 1F1B over 1F1B on torchtitan's 405B layout beside the
@@ -42,16 +43,17 @@ from course_lib.measure.hardware import GPU_SPECS
 from course_lib.theory.planner import Estimate, GiB, Layout, estimate, korthikanti_layer_bytes, plan, stage_in_flight
 from course_lib.lessons.l08_three_d.method import (FAMILIES, SEED_EFFICIENCY, SEED_METHOD, SIZES, efficiency_estimates,
                                                    efficiency_table, family, method_by_size, method_table)
-from course_lib.lessons.l08_three_d.runs import (CALIBRATION, DEEPSEEK_TOKENS_PER_GPU_S, DEEPSEEK_V3, DEEPSEEK_V3_CFG,
-                                                 DEEPSEEK_V3_MHA, DEEPSEEK_V3_MLA, DEEPSEEK_V3_MOE, H800_FP8_TFLOPS,
+from course_lib.lessons.l08_three_d.runs import (CALIBRATION, CALIBRATIONS, DEEPSEEK_TOKENS_PER_GPU_S, DEEPSEEK_V3,
+                                                 DEEPSEEK_V3_CFG, GENERATION, DEEPSEEK_V3_MHA, DEEPSEEK_V3_MLA, DEEPSEEK_V3_MOE, H800_FP8_TFLOPS,
                                                  LEFT_OUT, LLAMA3_128K, LONG_CONTEXT, MOE_RUNS, PUBLISHED,
                                                  THROUGHPUT_RUNS, TORCHTITAN_405B, WEAK_SCALING, PublishedRun, Source)
-from course_lib.lessons.l08_three_d.throughput import (Throughput, calibrate, interleaving_gain, layout_of,
+from course_lib.lessons.l08_three_d.throughput import (Throughput, calibrate, efficiencies, interleaving_gain, layout_of,
                                                        long_context, long_context_text, moe_run, moe_run_text, predict,
                                                        predicted_tflops, rank_among_layouts, source_flops, tflops_of,
                                                        throughput_summary, throughput_table, throughput_text)
 
-__all__ = ["Source", "PublishedRun", "PUBLISHED", "WEAK_SCALING", "THROUGHPUT_RUNS", "CALIBRATION", "TORCHTITAN_405B",
+__all__ = ["Source", "PublishedRun", "PUBLISHED", "WEAK_SCALING", "THROUGHPUT_RUNS", "CALIBRATION", "CALIBRATIONS",
+           "GENERATION", "efficiencies", "TORCHTITAN_405B",
            "LONG_CONTEXT", "LLAMA3_128K", "long_context", "long_context_text", "DEEPSEEK_V3", "DEEPSEEK_V3_CFG",
            "DEEPSEEK_V3_MHA", "DEEPSEEK_V3_MLA", "DEEPSEEK_V3_MOE", "DEEPSEEK_TOKENS_PER_GPU_S", "H800_FP8_TFLOPS",
            "MOE_RUNS", "moe_run", "moe_run_text", "interleaving_gain", "layout_of", "source_flops", "predict",

@@ -5,6 +5,7 @@
     print(plan_table(rows, k=10)); frontier_figure(rows, title)
     planner_widget()                                  # ipywidgets over `course_lib.theory.planner.plan`
     throughput_figure(eff, rows)                      # published TFLOP/s per GPU: planner vs reported, and errors
+    efficiency_figure(hidden, experts)                # matmul efficiency by shape (`efficiency`)
 """
 
 from __future__ import annotations
@@ -253,5 +254,37 @@ def throughput_figure(efficiency: float, rows: list, calibration: str = ""):
     bx.set_xticks(list(x), names, rotation=60, ha="right", fontsize=7)
     bx.set(ylabel="error, % of reported", ylim=(-35, 25), title="error per run (dotted: +-10 %)")
     bx.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def efficiency_figure(hidden: list[dict], experts: dict):
+    """Left: each scored A100 run's implied efficiency (the flat constant that reproduces it alone) against its
+    hidden size, beside the shapes model's (`efficiency.by_hidden_size`); the calibrated flat constant dashed.
+    Right: DeepSeek-V3's expert GEMMs against the rows each expert receives (`efficiency.by_tokens_per_expert`),
+    ep marked, the ridge point's rows dotted."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8))
+    h = [r["h"] for r in hidden]
+    ax.plot(h, [r["implied"] for r in hidden], "o", color="#1f77b4", label="implied by the published row (flat)")
+    ax.plot(h, [r["shapes"] for r in hidden], "s", mfc="none", color="#d62728",
+            label="its layer's GEMMs: quantization + roofline")
+    cal = next((r for r in hidden if "145.6B" in r["name"]), None)
+    if cal is not None:
+        ax.axhline(cal["implied"], color="#888888", ls="--", lw=1, label="flat constant (145.6B row)")
+    ax.set(xlabel="hidden size h", ylabel="fraction of bf16 peak", ylim=(0.45, 0.75),
+           title="A100 runs: matmul efficiency against h")
+    ax.legend(fontsize=7, loc="lower right")
+    bx.plot(experts["rows"], experts["efficiency"], "o-", color="#2ca02c")
+    for ep, m, e in zip(experts["eps"], experts["rows"], experts["efficiency"]):
+        bx.annotate(f"ep {ep}", (m, e), textcoords="offset points", xytext=(0, -12 if ep % 2 else 6), fontsize=7,
+                    ha="center", fontweight="bold" if ep == experts["published_ep"] else "normal")
+    bx.axvline(experts["ridge_rows"], color="k", ls=":", lw=1, label="ridge point at full peak")
+    bx.axvline(experts["ridge_rows_at_constant"], color="#888888", ls=":", lw=1,
+               label=f"ridge point at {experts['constant']:.0%} of peak")
+    bx.set(xscale="log", xlabel="rows (tokens) per expert", ylabel="fraction of bf16 peak", ylim=(0, 0.85),
+           title=f"DeepSeek-V3's expert GEMMs on one {experts['gpu'].split()[0]}")
+    bx.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig

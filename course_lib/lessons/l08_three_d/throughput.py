@@ -1,5 +1,6 @@
 """The planner's throughput against published runs (lesson 08; `benchmarks/bench_planner.py`): each run priced as its
-software ran it, the A100's matmul efficiency calibrated on ONE row (`runs.CALIBRATION`) and held fixed for every
+software ran it, one matmul efficiency per GPU generation calibrated on ONE row of it (`runs.CALIBRATIONS`: the
+A100's on `runs.CALIBRATION`, the H100's, which the H800 shares, on Llama 3's 8K-GPU row) and held fixed for every
 other, beside a constant baseline; where each published layout ranks among the planner's; the long-context (CP) and
 mixture-of-experts (EP) rows placed among the planner's layouts; interleaved 1F1B's gain on torchtitan's 405B.
 """
@@ -16,14 +17,13 @@ from course_lib.measure.hardware import GPU_SPECS
 from course_lib.theory import flops
 from course_lib.theory.planner import (CKPT, CP_VARIANTS, SCHEDULES, Cluster, Estimate, GiB, Layout, estimate, plan,
                                        stage_in_flight, step_flops)
-from course_lib.lessons.l08_three_d.runs import (CALIBRATION, DEEPSEEK_V3, H800_FP8_TFLOPS, LLAMA3_128K,
-                                                 THROUGHPUT_RUNS, TORCHTITAN_405B, PublishedRun)
+from course_lib.lessons.l08_three_d.runs import (CALIBRATION, CALIBRATIONS, DEEPSEEK_V3, GENERATION, H800_FP8_TFLOPS,
+                                                 LLAMA3_128K, THROUGHPUT_RUNS, TORCHTITAN_405B, PublishedRun)
 
 __all__ = ["interleaving_gain", "layout_of", "source_flops", "predict", "tflops_of", "predicted_tflops", "calibrate",
+           "efficiencies",
            "Throughput", "rank_among_layouts", "long_context", "long_context_text", "moe_run", "moe_run_text",
-           "throughput_table", "throughput_summary", "throughput_text", "MATMULS_MODEL"]
-
-MATMULS_MODEL = "flat"          # how the published rows are priced: "flat" (one efficiency) or "shapes" (`planner.matmuls`)
+           "throughput_table", "throughput_summary", "throughput_text"]
 
 
 def interleaving_gain(kernel_efficiency: float = 0.4) -> dict:
@@ -34,7 +34,7 @@ def interleaving_gain(kernel_efficiency: float = 0.4) -> dict:
     cluster = Cluster("64 x 8 H100", t["nodes"], 8, 50.0)
     mb = t["global_batch"] // (t["dp"] * t["m"])
     rows = {sch: estimate(cfg, gpu, cluster, Layout(t["dp"], t["tp"], t["pp"], 1, "full", mb, sch, v, "dp+tp"),
-                          t["global_batch"], t["seq_len"], kernel_efficiency, elementwise="fused", matmuls=MATMULS_MODEL)
+                          t["global_batch"], t["seq_len"], kernel_efficiency, elementwise="fused")
             for sch, v in (("1f1b", 1), ("interleaved", t["v"]))}
     predicted = rows["1f1b"].time["total"] / rows["interleaved"].time["total"] - 1
     reported = t["tokens_per_s"]["interleaved"] / t["tokens_per_s"]["1f1b"] - 1
@@ -74,7 +74,8 @@ def _eps(run: PublishedRun) -> tuple:
 def predict(run: PublishedRun, kernel_efficiency: float) -> Estimate:
     """The planner's estimate of exactly the published layout, schedule and overlap."""
     return estimate(run.config, GPU_SPECS[run.gpu], run.cluster, layout_of(run), run.global_batch, run.seq_len,
-                    kernel_efficiency, grad_bytes=run.grad_bytes, elementwise=run.kernels, matmuls=MATMULS_MODEL, moe=run.moe)
+                    kernel_efficiency, grad_bytes=run.grad_bytes, elementwise=run.kernels, matmuls=run.matmuls,
+                    moe=run.moe)
 
 
 def tflops_of(run: PublishedRun, est: Estimate) -> float:
@@ -96,6 +97,14 @@ def calibrate(run: PublishedRun) -> float:
     return (lo + hi) / 2
 
 
+def efficiencies(calibrations: dict = CALIBRATIONS, runs=THROUGHPUT_RUNS, matmuls: str = "flat") -> dict:
+    """{GPU generation: the matmul efficiency `calibrate` sets on its one row of ``runs``, its matmuls priced as
+    ``matmuls`` says ("flat" or "shapes": a constant belongs to the time model it was calibrated in)}; every GPU of
+    `runs.GENERATION` maps to one of them (the H800 to the H100's)."""
+    by_name = {r.name: r for r in runs}
+    return {gen: calibrate(dataclasses.replace(by_name[name], matmuls=matmuls)) for gen, name in calibrations.items()}
+
+
 @dataclasses.dataclass
 class Throughput:
     """One published run against the planner: ``predicted`` (TFLOP/s per GPU, the source's count) at the calibrated
@@ -109,6 +118,7 @@ class Throughput:
     rank: int | None = None
     n_feasible: int = 0
     best: str = ""
+    efficiency: float = 0.0             # the constant of its GPU generation it was priced at
 
     @property
     def reported(self) -> float:
@@ -135,7 +145,7 @@ def rank_among_layouts(run: PublishedRun, kernel_efficiency: float) -> tuple[int
                 micro_batches=sorted({1, 2, 4, 8, mine.micro_batch}), zeros=sorted({0, mine.zero} if old else {0, 1}),
                 ckpts=("none", "full") if old else CKPT, grad_bytes=run.grad_bytes,
                 schedules=("1f1b", "interleaved") if old else SCHEDULES, vs=sorted({2, 3, 4, mine.v} - {1}),
-                overlaps=(run.overlap,), elementwise=run.kernels, matmuls=MATMULS_MODEL, cps=_cps(run),
+                overlaps=(run.overlap,), elementwise=run.kernels, matmuls=run.matmuls, cps=_cps(run),
                 cp_variants=CP_VARIANTS if run.cp > 1 else ("ring",), eps=_eps(run), moe=run.moe)
     feasible = [r for r in rows if r.feasible]
     rank = next((i + 1 for i, r in enumerate(feasible) if r.layout == mine), None)
@@ -160,7 +170,7 @@ def _placed(run: PublishedRun, rows: list, shape, kernel_efficiency: float, **kw
     shapes = list(dict.fromkeys(shape(r.layout) for r in feasible))
     best = feasible[0]
     one = lambda lay: estimate(cfg, gpu, run.cluster, lay, run.global_batch, run.seq_len, kernel_efficiency,
-                               grad_bytes=run.grad_bytes, elementwise=run.kernels, matmuls=MATMULS_MODEL, **kw)
+                               grad_bytes=run.grad_bytes, elementwise=run.kernels, matmuls=run.matmuls, **kw)
     none = one(dataclasses.replace(row.layout, ckpt="none"))
     tot = row.time["total"]
     recompute = row.time["compute"] * (1 - row.mfu / row.hfu)          # the recomputed forward's share of compute
@@ -188,7 +198,7 @@ def long_context(run: PublishedRun = LLAMA3_128K, kernel_efficiency: float = 0.4
     t0 = time.perf_counter()
     rows = plan(run.config, GPU_SPECS[run.gpu], run.cluster, run.global_batch, run.seq_len, kernel_efficiency,
                 zeros=(0, 1), schedules=SCHEDULES, grad_bytes=run.grad_bytes, overlaps=(run.overlap,),
-                elementwise=run.kernels, matmuls=MATMULS_MODEL, cps=_cps(run), cp_variants=CP_VARIANTS)
+                elementwise=run.kernels, matmuls=run.matmuls, cps=_cps(run), cp_variants=CP_VARIANTS)
     shape = lambda lay: (lay.dp, lay.tp, lay.pp, lay.cp, lay.cp_variant if lay.cp > 1 else "ring")
     out = _placed(run, rows, shape, kernel_efficiency)
     row, best, tot = out["row"], out["best"], out["row"].time["total"]
@@ -216,7 +226,7 @@ def moe_run(run: PublishedRun = DEEPSEEK_V3, kernel_efficiency: float = 0.4) -> 
     t0 = time.perf_counter()
     rows = plan(run.config, GPU_SPECS[run.gpu], run.cluster, run.global_batch, run.seq_len, kernel_efficiency,
                 micro_batches=(1, 2, 4), zeros=(0, 1), schedules=("1f1b", "zb-h1"), grad_bytes=run.grad_bytes,
-                overlaps=(run.overlap,), elementwise=run.kernels, matmuls=MATMULS_MODEL, eps=_eps(run), moe=run.moe)
+                overlaps=(run.overlap,), elementwise=run.kernels, matmuls=run.matmuls, eps=_eps(run), moe=run.moe)
     out = _placed(run, rows, lambda lay: (lay.dp, lay.tp, lay.pp, lay.ep), kernel_efficiency, moe=run.moe)
     row, best, tot = out["row"], out["best"], out["row"].time["total"]
     diffs = [f"{name} {getattr(best.layout, name)} instead of {getattr(row.layout, name)}"
@@ -267,25 +277,35 @@ def long_context_text(out: dict) -> str:
         f"CP exchange {row.time['cp']:.2f} s per step, {row.exposed['cp']:.2f} s exposed")
 
 
-def throughput_table(runs=THROUGHPUT_RUNS, calibration: str = CALIBRATION, rank: bool = True) -> tuple[float, list]:
-    """Calibrate the A100's efficiency on the one ``calibration`` row, then predict every run with it held fixed.
-    Returns (efficiency, [Throughput]). ``rank=False`` skips the planner's search over layouts (seconds)."""
-    cal = next(r for r in runs if r.name == calibration)
-    eff = calibrate(cal)
-    cal_fraction = cal.reported_tflops / GPU_SPECS[cal.gpu].bf16_tflops
+def throughput_table(runs=THROUGHPUT_RUNS, calibration: str = CALIBRATION, rank: bool = True,
+                     matmuls: str | None = None) -> tuple[float, list]:
+    """Calibrate one efficiency per GPU generation on its one row (`efficiencies`: ``calibration`` for the A100,
+    `runs.CALIBRATIONS` for the others), then predict every run at its generation's, held fixed. Returns (the A100's
+    efficiency, [Throughput]); each row's own is ``Throughput.efficiency``. The constant baseline applies the
+    generation's calibration row's fraction of peak. ``rank=False`` skips the planner's search over layouts
+    (seconds). ``matmuls``: price every run's GEMMs so ("flat" or "shapes"; None: each run's own
+    ``PublishedRun.matmuls``), its constants calibrated the same way."""
+    if matmuls is not None:
+        runs = tuple(dataclasses.replace(r, matmuls=matmuls) for r in runs)
+    models = {r.matmuls for r in runs}
+    table = {m: efficiencies(dict(CALIBRATIONS, A100=calibration), matmuls=m) for m in models | {"flat"}}
+    by_name = {r.name: r for r in THROUGHPUT_RUNS + tuple(runs)}
+    fraction = {gen: by_name[name].reported_tflops / GPU_SPECS[by_name[name].gpu].bf16_tflops
+                for gen, name in dict(CALIBRATIONS, A100=calibration).items()}
     out = []
     for r in runs:
+        gen, eff = GENERATION[r.gpu], table[r.matmuls][GENERATION[r.gpu]]
         est = predict(r, eff)
-        t = Throughput(r, est, tflops_of(r, est), cal_fraction * GPU_SPECS[r.gpu].bf16_tflops)
+        t = Throughput(r, est, tflops_of(r, est), fraction[gen] * GPU_SPECS[r.gpu].bf16_tflops, efficiency=eff)
         if rank:
             t.rank, t.n_feasible, t.best = rank_among_layouts(r, eff)
         out.append(t)
-    return eff, out
+    return table[matmuls or "flat"]["A100"], out
 
 
 def throughput_summary(rows: list, calibration: str = CALIBRATION) -> str:
     """The benchmark's last line: scored runs without the calibration row."""
-    scored = [t for t in rows if t.run.scored and t.run.name != calibration]
+    scored = [t for t in rows if t.run.scored and t.run.name not in {calibration, *CALIBRATIONS.values()}]
     err = [abs(t.error) * 100 for t in scored]
     base = [abs(t.baseline_error) * 100 for t in scored]
     return (f"published throughput: {len(scored)} runs, median |error| {statistics.median(err):.1f} %, max |error| "
@@ -299,14 +319,18 @@ def throughput_text(eff: float, rows: list, calibration: str = CALIBRATION) -> s
     head = (f"{'run':<30} {'GPUs':>5} {'dp x tp x pp':>13} {'mb':>3} {'schedule':>14} {'overlap':>7} "
             f"{'planner':>8} {'reported':>8} {'error':>7} {'baseline':>8} {'error':>7} {'bubble':>6} {'comm':>5}"
             + (f" {'rank':>9}" if any(t.n_feasible for t in rows) else ""))
-    lines = [f"A100 matmul efficiency (HFU) calibrated on {calibration}: {eff:.3f} of peak; TFLOP/s per GPU as each "
-             f"source counts them", head]
+    others = {GENERATION[t.run.gpu]: t for t in rows if t.run.name in CALIBRATIONS.values() and t.run.gpu != "A100"}
+    shared = {gen: ", ".join(g for g, v in GENERATION.items() if v == gen and g != gen) for gen in others}
+    lines = [f"A100 matmul efficiency (HFU) calibrated on {calibration}: {eff:.3f} of peak"
+             + "".join(f"; {gen} (and {shared[gen]}) on {t.run.name}: {t.efficiency:.3f}" for gen, t in others.items())
+             + "; TFLOP/s per GPU as each source counts them", head]
     for t in rows:
         r, e = t.run, t.estimate
         sched = r.pipeline + (f" v{r.v}" if r.v > 1 else "")
         tot = e.time["total"]
         comm = sum(e.exposed.values())
-        mark = " (calibration)" if r.name == calibration else ("" if r.scored else " (not scored)")
+        mark = (" (calibration)" if r.name in {calibration, *CALIBRATIONS.values()} else
+                ("" if r.scored else " (not scored)"))
         rank = (f" {f'{t.rank}/{t.n_feasible}' if t.rank else f'-/{t.n_feasible}':>9}" if t.n_feasible else "")
         shape = f"{r.dp}x{r.tp}x{r.pp}" + (f"cp{r.cp}" if r.cp > 1 else "") + (f"ep{r.ep}" if r.ep > 1 else "")
         lines.append(f"{r.name:<30} {r.cluster.n_gpus:>5} {shape:>13} {layout_of(r).micro_batch:>3} "

@@ -57,7 +57,10 @@ precision bf16 with Adam, Megatron-style TP with sequence parallelism, the layou
   the last part being the last bucket (at least the token embedding's gradient, complete only when the backward
   reaches the first layer; 25 MiB, DDP's ``bucket_cap_mb``, otherwise) or ZeRO-3's first layer; ``"dp+tp"``: also
   TP's collectives behind the matmuls (Megatron-Core's ``--tp-comm-overlap``, PyTorch's async TP), all but one
-  chunk in tp. Pipeline messages are never overlapped. `Estimate.exposed` holds what is left of each.
+  chunk in tp; ``"tp-bwd"`` and ``"dp+tp-bwd"`` (without and with DP's overlap): only TP's backward collectives hide,
+  each column-parallel linear's behind its own weight-gradient GEMM (Megatron-LM's asynchronous tensor-model-parallel
+  all-reduce, `tp_backward_exposed`). Pipeline messages are never overlapped. `Estimate.exposed` holds what is left
+  of each.
 
 Infeasible layouts come with the reason (memory, divisibility). A pipeline with ZeRO-2/3 is **not modelled**
 (`Estimate.not_modelled`): DeepSpeed and Megatron-LM refuse it (gradients are accumulated over micro-batches),
@@ -131,7 +134,7 @@ from course_lib.theory.planner.stage_memory import (activation_bytes_per_gpu, cp
                                                     model_state_bytes, moe_extra_layer_bytes, moe_stage_params,
                                                     position_params, stage_in_flight, stage_memory, stage_params)
 from course_lib.theory.planner.step_time import (cp_layer_time, elementwise_bytes, ep_layer_time, gemm_intensity,
-                                                 step_flops, step_time)
+                                                 step_flops, step_time, tp_backward_exposed)
 
 __all__ = ["Cluster", "Layout", "Estimate", "estimate", "plan", "link", "layer_params", "position_params",
            "stage_params", "model_state_bytes", "layer_activation_bytes", "korthikanti_layer_bytes",
@@ -140,4 +143,4 @@ __all__ = ["Cluster", "Layout", "Estimate", "estimate", "plan", "link", "layer_p
            "cp_layer_time", "MoESpec", "ep_refusals", "moe_stage_params", "moe_extra_layer_bytes", "ep_layer_time",
            "step_flops", "layout_refusals", "stage_memory", "step_time", "stage_in_flight", "cp_extra_layer_bytes",
            "ATTENTION", "MATMULS", "block_of", "layer_kept_bytes", "Gemm", "gemm_seconds", "head_gemm",
-           "implied_efficiency", "layer_gemms", "matmul_seconds", "quantization"]
+           "implied_efficiency", "layer_gemms", "matmul_seconds", "quantization", "tp_backward_exposed"]

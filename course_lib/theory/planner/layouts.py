@@ -19,7 +19,7 @@ CKPT = ("none", "selective", "full")
 GiB = 2 ** 30           # GPU memory: an "80 GB" A100 holds 80 GiB (nvidia-smi: 81,920 MiB), not 80 x 10^9 bytes
 NOT_MODELLED = "not modelled (DeepSpeed and Megatron refuse it; torchtitan does it)"
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")     # pipeline schedules (lesson 03; `theory.pipeline`)
-OVERLAPS = ("none", "dp", "dp+tp")              # what communication hides behind compute (`estimate`)
+OVERLAPS = ("none", "dp", "dp+tp", "tp-bwd", "dp+tp-bwd")   # what communication hides behind compute (`step_time`)
 ELEMENTWISE = ("none", "fused", "unfused")      # the memory-bound kernels' HBM traffic (`elementwise_bytes`)
 DDP_BUCKET_BYTES = 25 * 2 ** 20                 # PyTorch DDP's bucket_cap_mb=25: the last bucket cannot hide
 TRAFFIC_PASSES = {"none": 4, "selective": 4, "full": 5}   # HBM passes over what a layer keeps (`elementwise_bytes`)
@@ -56,7 +56,8 @@ class Layout:
     micro_batch: int = 1
     schedule: str = "1f1b"              # "1f1b", "interleaved" (v model chunks per rank) or "zb-h1"
     v: int = 1                          # model chunks per rank (interleaved only; 1 otherwise)
-    overlap: str = "none"               # "none", "dp" (DP/ZeRO buckets), "dp+tp" (also TP: --tp-comm-overlap)
+    overlap: str = "none"               # "none", "dp" (DP/ZeRO buckets), "dp+tp" (also TP: --tp-comm-overlap),
+                                        # "tp-bwd" / "dp+tp-bwd" (TP's backward collectives behind weight gradients)
     cp: int = 1                         # context-parallel ranks: each holds s/cp tokens of every sequence
     cp_variant: str = "ring"            # "ring", "all_gather" (Llama 3) or "ulysses" (`CP_VARIANTS`)
     ep: int = 1                         # expert-parallel ranks, borrowed from dp x cp (a MoE model only)

@@ -18,7 +18,8 @@ from course_lib.theory.planner.layouts import (DDP_BUCKET_BYTES, ELEMENTWISE, MA
 from course_lib.theory.planner.matmuls import matmul_seconds
 from course_lib.theory.planner.stage_memory import layer_kept_bytes
 
-__all__ = ["step_flops", "elementwise_bytes", "gemm_intensity", "cp_layer_time", "ep_layer_time", "step_time"]
+__all__ = ["step_flops", "elementwise_bytes", "gemm_intensity", "cp_layer_time", "ep_layer_time", "step_time",
+           "tp_backward_exposed"]
 
 def ep_layer_time(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, moe: MoESpec | None, seq_len: int) -> float:
     """Seconds of one of a MoE block's all-to-alls per micro-batch on one GPU (dispatch or combine; 4 per block
@@ -120,6 +121,24 @@ def cp_layer_time(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, seq_l
 
 
 
+def tp_backward_exposed(cfg: ModelConfig, gpu, layout: Layout, tokens: int, per_collective: float,
+                        kernel_efficiency: float) -> float:
+    """Seconds of one layer's TP collectives per micro-batch that stay exposed when each column-parallel linear's
+    backward collective (the input gradient's all-reduce, or its reduce-scatter with sequence parallelism) runs
+    while that linear's weight-gradient GEMM does: Megatron-LM's asynchronous tensor-model-parallel all-reduce (on by
+    default in later versions, whose ``--no-async-tensor-model-parallel-allreduce`` turns it off). The forward's two collectives (four with full recomputation, whose forward runs twice) stay
+    exposed; each of the backward's two (QKV's and the MLP's first linear's) hides behind its weight gradient, ``2 b
+    s h N / t`` FLOPs at ``kernel_efficiency`` (N: QKV's ``h + 2 kv``; the MLP's ``d_ff``, ``2 d_ff`` with SwiGLU),
+    all but what is longer than it. A mixture of experts' and MLA's own linears are priced as the config's dense
+    ones (an approximation)."""
+    M, h = layout.micro_batch * tokens, cfg.d_model
+    rate = gpu.bf16_tflops * 1e12 * kernel_efficiency
+    up = cfg.d_ff * (2 if cfg.mlp == "swiglu" else 1)
+    wgrad = [2 * M * h * (h + 2 * cfg.n_kv_head * cfg.head_dim) / layout.tp / rate, 2 * M * h * up / layout.tp / rate]
+    forward = (4 if layout.ckpt == "full" else 2) * per_collective
+    return forward + sum(max(0.0, per_collective - w) for w in wgrad)
+
+
 @reference_for("08-step-time")
 def step_time(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_batch: int, accum: int, seq_len: int,
               memory: dict, split: dict, kernel_efficiency: float = 0.4, grad_bytes: int = 4,
@@ -189,7 +208,7 @@ def step_time(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_ba
     last_bucket = max(bucket_bytes, grad_bytes * cfg.vocab_size * cfg.d_model / tp)
     fwd_mb = compute / accum * 2 / (6 * recompute)                      # one micro-batch's forward on the stage
     bwd_mb = compute / accum - fwd_mb                                   # its backward (and recomputed forward)
-    overlap_dp = layout.overlap in ("dp", "dp+tp")
+    overlap_dp = layout.overlap.startswith("dp")
 
     def hidden(t: float, behind: float, last_part: float) -> float:
         """Exposed seconds of a collective of ``t`` s issued bucket by bucket while ``behind`` s of compute run:
@@ -234,6 +253,8 @@ def step_time(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_ba
     # TP: Megatron-Core --tp-comm-overlap / PyTorch async TP split each matmul into tp chunks and move one chunk while
     # the next multiplies: all hides behind the matmuls but one chunk in tp
     tp_exposed = max(tp_time - compute, tp_time / tp) if layout.overlap == "dp+tp" and tp > 1 else tp_time
+    if layout.overlap.endswith("tp-bwd") and tp > 1:
+        tp_exposed = layers * accum * tp_backward_exposed(cfg, gpu, layout, n, per_ar, kernel_efficiency)
     # CP: the K/V exchange of every layer and micro-batch, forward (again in a recomputed forward) and backward
     cpt = cp_layer_time(cfg, gpu, cluster, layout, s, kernel_efficiency)
     again = 2 if layout.ckpt in ("selective", "full") else 1           # the recomputed attention exchanges again
