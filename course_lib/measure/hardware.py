@@ -28,7 +28,7 @@ class GPUSpec:
     mem_gb: memory (GB); mem_bw_gbs: memory bandwidth (GB/s);
     link_gbs: per-GPU, one-direction bandwidth of the node-local interconnect (GB/s), named in ``link``;
     sms: streaming multiprocessors (NVIDIA's A100 whitepaper: 108 on the A100; H100 whitepaper: 132 on the H100
-    SXM5, 114 on the H100 PCIe; V100: 80; T4: 40), 0 where not recorded.
+    SXM5, 114 on the H100 PCIe; `_SMS`), 0 where not recorded.
     """
 
     name: str

@@ -377,8 +377,8 @@ CALIBRATION = "Megatron-LM 145.6B (table 1)"   # the one row that sets the A100'
 # the smaller cluster (8,192 GPUs, half the 16K row's network), chosen after the A100 constant's errors on both Llama
 # rows were known (-14.5 % and -29.3 %, bench_planner.py before this change): a choice made with the results in view,
 # said here. Its constant absorbs what the planner cannot express for that row (an interleaved schedule on uneven
-# stages, for which 1F1B stands in; freed stage tensors), so it is an upper bound on the H100 matmuls' fraction of
-# peak rather than a measurement of it. The H800 takes the H100's (the same GH100 die and bf16 peak,
+# stages, for which 1F1B stands in, with a too-large bubble; freed stage tensors), so it is likely above the H100
+# matmuls' real fraction of peak, and not a measurement of it. The H800 takes the H100's (the same GH100 die and bf16 peak,
 # `hardware.GPU_SPECS`; no H800 row states its layout and throughput).
 CALIBRATIONS = {"A100": CALIBRATION, "H100": "Llama 3 405B, 8K GPUs"}
 GENERATION = {"A100": "A100", "H100": "H100", "H800": "H100"}
@@ -395,7 +395,8 @@ TORCHTITAN_405B = dict(
     # n_microbatches = pipeline_parallel_degree = 8
     preset="llama3-405b", gpu="H100", nodes=64, dp=8, tp=8, pp=8, global_batch=256, seq_len=8192, v=2, m=8,
     # power-capped: not the H100 SXM5 80GB at 700 W that GPU_SPECS["H100"] describes
-    hardware="H100s with 96GB HBM2e at 2.4 TB/sec, 'the default 500W power limit' (the same docs/performance.md): "
+    hardware="H100s with 96GB HBM2e at 2.4 TB/sec, 'the default 500W power limit' (the same docs/performance.md, "
+             "since moved to benchmarks/llama3_h100_202412_torchtitan.md): "
              "power-capped, priced as the H100 SXM5 80GB (3,350 GB/s, 700 W), so only the ratio of the two "
              "schedules is compared",
     assumed="v = 2 (torchtitan's default for a looped schedule) and m = 8 micro-batches of 4 sequences for both "
