@@ -50,8 +50,8 @@ def by_tokens_per_expert(run: PublishedRun = DEEPSEEK_V3, eps=EPS) -> dict:
     rows_at = lambda r: r * k * n / (k * n - r * (k + n))          # the rows whose intensity is r
     return dict(eps=list(eps), rows=[experts(ep)[0].m for ep in eps],
                 efficiency=[implied_efficiency(experts(ep), gpu, eff) for ep in eps], constant=eff,
-                published_ep=run.ep, ridge=ridge, ridge_rows=rows_at(ridge), ridge_rows_at_constant=rows_at(ridge * eff),
-                gpu=gpu.name)
+                published_ep=run.ep, ridge=ridge, ridge_rows=rows_at(ridge),
+                ridge_rows_at_constant=rows_at(ridge * eff), gpu=gpu.name)
 
 
 def efficiency_text(hidden: list[dict], experts: dict) -> str:

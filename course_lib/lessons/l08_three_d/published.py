@@ -44,13 +44,15 @@ from course_lib.theory.planner import Estimate, GiB, Layout, estimate, korthikan
 from course_lib.lessons.l08_three_d.method import (FAMILIES, SEED_EFFICIENCY, SEED_METHOD, SIZES, efficiency_estimates,
                                                    efficiency_table, family, method_by_size, method_table)
 from course_lib.lessons.l08_three_d.runs import (CALIBRATION, CALIBRATIONS, DEEPSEEK_TOKENS_PER_GPU_S, DEEPSEEK_V3,
-                                                 DEEPSEEK_V3_CFG, GENERATION, DEEPSEEK_V3_MHA, DEEPSEEK_V3_MLA, DEEPSEEK_V3_MOE, H800_FP8_TFLOPS,
-                                                 LEFT_OUT, LLAMA3_128K, LONG_CONTEXT, MOE_RUNS, PUBLISHED,
-                                                 THROUGHPUT_RUNS, TORCHTITAN_405B, WEAK_SCALING, PublishedRun, Source)
-from course_lib.lessons.l08_three_d.throughput import (Throughput, calibrate, efficiencies, interleaving_gain, layout_of,
-                                                       long_context, long_context_text, moe_run, moe_run_text, predict,
-                                                       predicted_tflops, rank_among_layouts, source_flops, tflops_of,
-                                                       throughput_summary, throughput_table, throughput_text)
+                                                 DEEPSEEK_V3_CFG, DEEPSEEK_V3_MHA, DEEPSEEK_V3_MLA, DEEPSEEK_V3_MOE,
+                                                 GENERATION, H800_FP8_TFLOPS, LEFT_OUT, LLAMA3_128K, LONG_CONTEXT,
+                                                 MOE_RUNS, PUBLISHED, THROUGHPUT_RUNS, TORCHTITAN_405B, WEAK_SCALING,
+                                                 PublishedRun, Source)
+from course_lib.lessons.l08_three_d.throughput import (Throughput, calibrate, efficiencies, interleaving_gain,
+                                                       layout_of, long_context, long_context_text, moe_run,
+                                                       moe_run_text, predict, predicted_tflops, rank_among_layouts,
+                                                       source_flops, tflops_of, throughput_summary, throughput_table,
+                                                       throughput_text)
 
 __all__ = ["Source", "PublishedRun", "PUBLISHED", "WEAK_SCALING", "THROUGHPUT_RUNS", "CALIBRATION", "CALIBRATIONS",
            "GENERATION", "efficiencies", "TORCHTITAN_405B",

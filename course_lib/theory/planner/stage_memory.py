@@ -16,8 +16,8 @@ from course_lib.theory.experts import MoESpec
 from course_lib.theory.planner.layouts import GiB, Layout, block_of
 
 __all__ = ["layer_params", "position_params", "stage_params", "model_state_bytes", "layer_activation_bytes",
-           "korthikanti_layer_bytes", "layer_kept_bytes", "activation_bytes_per_gpu", "cp_extra_layer_bytes", "moe_stage_params",
-           "moe_extra_layer_bytes", "stage_in_flight", "stage_memory"]
+           "korthikanti_layer_bytes", "layer_kept_bytes", "activation_bytes_per_gpu", "cp_extra_layer_bytes",
+           "moe_stage_params", "moe_extra_layer_bytes", "stage_in_flight", "stage_memory"]
 
 # ----------------------------------------------------------------------------------------------- parameters
 

@@ -126,10 +126,11 @@ def tp_backward_exposed(cfg: ModelConfig, gpu, layout: Layout, tokens: int, per_
     """Seconds of one layer's TP collectives per micro-batch that stay exposed when each column-parallel linear's
     backward collective (the input gradient's all-reduce, or its reduce-scatter with sequence parallelism) runs
     while that linear's weight-gradient GEMM does: Megatron-LM's asynchronous tensor-model-parallel all-reduce (on by
-    default in later versions, whose ``--no-async-tensor-model-parallel-allreduce`` turns it off). The forward's two collectives (four with full recomputation, whose forward runs twice) stay
-    exposed; each of the backward's two (QKV's and the MLP's first linear's) hides behind its weight gradient, ``2 b
-    s h N / t`` FLOPs at ``kernel_efficiency`` (N: QKV's ``h + 2 kv``; the MLP's ``d_ff``, ``2 d_ff`` with SwiGLU),
-    all but what is longer than it. A mixture of experts' and MLA's own linears are priced as the config's dense
+    default in later versions, whose ``--no-async-tensor-model-parallel-allreduce`` turns it off). The forward's two
+    collectives (four with full recomputation, whose forward runs twice) stay exposed; each of the backward's two
+    (QKV's and the MLP's first linear's) hides behind its weight gradient, ``2 b s h N / t`` FLOPs at
+    ``kernel_efficiency`` (N: QKV's ``h + 2 kv``; the MLP's ``d_ff``, ``2 d_ff`` with SwiGLU), all but what is
+    longer than it. A mixture of experts' and MLA's own linears are priced as the config's dense
     ones (an approximation)."""
     M, h = layout.micro_batch * tokens, cfg.d_model
     rate = gpu.bf16_tflops * 1e12 * kernel_efficiency
