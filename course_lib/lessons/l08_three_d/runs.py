@@ -350,9 +350,10 @@ _TABLE_1_NOTE = (
     "positions learned (GPT).")
 _TABLE_1_WHY = (
     "Interleaved schedule, DP overlap, and the memory-bound kernels are modelled; left out: the scatter/gather "
-    "optimisation of cross-node p2p, uneven stages (the first and last hold the embedding and the head), kernel "
-    "efficiency that changes with matmul shapes (the roofline puts every matmul of this table above the ridge "
-    "point), and the activation count without sequence parallelism for memory.")
+    "optimisation of cross-node p2p, uneven stages (the first and last hold the embedding and the head), and a "
+    "kernel efficiency that changes with matmul shapes (priced only on request, matmuls='shapes': its tile and wave "
+    "quantization and roofline do not explain this table's small rows, lesson 08 section 5.2; the projections and "
+    "the MLP sit above the A100's ridge point, the unfused attention core below it).")
 
 
 def _table_1_run(row) -> PublishedRun:

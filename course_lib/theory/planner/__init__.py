@@ -8,7 +8,8 @@ The package, by concept: `layouts` (Cluster, Layout, Estimate, the choices, `lin
 communication and overlap), `search` (`estimate` = the three for one layout, `plan` = every layout). Every name is
 importable from here.
 
-A layout is (dp, tp, pp, ZeRO stage, activation checkpointing, micro-batch, pipeline schedule with its v, overlap);
+A layout is (dp, tp, pp, ZeRO stage, activation checkpointing, micro-batch, pipeline schedule with its v, overlap;
+sequence parallelism and the attention kernel where set, `block_of`);
 dp x tp x pp = the cluster's GPUs,
 ranks ordered as `course_lib.dist.ProcessGrid` orders them (TP innermost, then DP, then PP), so a dimension's group
 stays inside a node when ``stride x size`` divides ``gpus_per_node`` (`link`). For each layout, by formula (mixed
@@ -69,7 +70,8 @@ schedule for its per-micro-batch gathers. What it leaves out, so that a publishe
 paper's (and its step time may err; `benchmarks/bench_planner.py` holds it against 14 published runs): uneven
 stages (the first holds the embedding, the last the head and the loss; Llama 3 took a layer off each), overlap of
 pipeline messages and Megatron-LM's scatter/gather of them, ZB-H2 and ZBV, a matmul efficiency that changes with
-shapes below the ridge point, Float8, the cross-entropy's memory traffic, stragglers and the memory allocator. The
+shapes (unless asked: ``estimate(..., matmuls="shapes")`` prices each GEMM by its tile and wave quantization and the
+roofline, `matmuls`), Float8, the cross-entropy's memory traffic, stragglers and the memory allocator. The
 defaults (1F1B, no overlap, ``elementwise="none"``) are lesson 08's first planner, which its exercises reproduce.
 
 **Context parallelism** (``layout.cp``, default 1: every number above unchanged; lesson 10, `theory.context`): the
