@@ -48,8 +48,9 @@ def by_tokens_per_expert(run: PublishedRun = DEEPSEEK_V3, eps=EPS) -> dict:
     g = experts(1)[0]
     k, n = g.k, g.n                                                # rows m: intensity m k n / (m k + k n + m n)
     rows_at = lambda r: r * k * n / (k * n - r * (k + n))          # the rows whose intensity is r
-    return dict(eps=list(eps), rows=[experts(ep)[0].m for ep in eps],
-                efficiency=[implied_efficiency(experts(ep), gpu, eff) for ep in eps], constant=eff,
+    groups = [experts(ep) for ep in eps]
+    return dict(eps=list(eps), rows=[gemms[0].m for gemms in groups],
+                efficiency=[implied_efficiency(gemms, gpu, eff) for gemms in groups], constant=eff,
                 published_ep=run.ep, ridge=ridge, ridge_rows=rows_at(ridge),
                 ridge_rows_at_constant=rows_at(ridge * eff), gpu=gpu.name)
 

@@ -15,6 +15,7 @@ import re
 from course_lib.config import PRESETS
 from course_lib.measure.hardware import GPU_SPECS
 from course_lib.lessons.display import plain_log_ticks
+from course_lib.lessons.l08_three_d.runs import CALIBRATION
 from course_lib.theory.planner import Cluster, GiB, plan
 
 __all__ = ["grid_figure", "comm_table", "comm_figure", "plan_table", "frontier", "frontier_figure", "planner_widget",
@@ -270,9 +271,9 @@ def efficiency_figure(hidden: list[dict], experts: dict):
     ax.plot(h, [r["implied"] for r in hidden], "o", color="#1f77b4", label="implied by the published row (flat)")
     ax.plot(h, [r["shapes"] for r in hidden], "s", mfc="none", color="#d62728",
             label="its layer's GEMMs: quantization + roofline")
-    cal = next((r for r in hidden if "145.6B" in r["name"]), None)
+    cal = next((r for r in hidden if r["name"] == CALIBRATION), None)
     if cal is not None:
-        ax.axhline(cal["implied"], color="#888888", ls="--", lw=1, label="flat constant (145.6B row)")
+        ax.axhline(cal["implied"], color="#888888", ls="--", lw=1, label=f"flat constant ({cal['name'].replace('Megatron-LM ', '').replace(' (table 1)', '')} row)")
     ax.set(xlabel="hidden size h", ylabel="fraction of bf16 peak", ylim=(0.45, 0.75),
            title="A100 runs: matmul efficiency against h")
     ax.legend(fontsize=7, loc="lower right")

@@ -126,7 +126,8 @@ multi-token prediction modules (``moe.mtp_depth``) enter the FLOPs only, not the
 from course_lib.theory.experts import MoESpec
 from course_lib.theory.planner.layouts import (ATTENTION, CKPT, CP_VARIANTS, DDP_BUCKET_BYTES, ELEMENTWISE, MATMULS,
                                                NOT_MODELLED, OVERLAPS, SCHEDULES, TRAFFIC_PASSES, Cluster, Estimate,
-                                               GiB, Layout, block_of, cp_refusals, ep_refusals, layout_refusals, link)
+                                               GiB, Layout, block_of, cp_refusals, ep_refusals, layout_refusals, link,
+                                               resolve_block)
 from course_lib.theory.planner.matmuls import (Gemm, gemm_seconds, head_gemm, implied_efficiency, layer_gemms,
                                                matmul_seconds, quantization)
 from course_lib.theory.planner.search import estimate, plan
@@ -144,5 +145,5 @@ __all__ = ["Cluster", "Layout", "Estimate", "estimate", "plan", "link", "layer_p
            "DDP_BUCKET_BYTES", "TRAFFIC_PASSES", "elementwise_bytes", "gemm_intensity", "CP_VARIANTS", "cp_refusals",
            "cp_layer_time", "MoESpec", "ep_refusals", "moe_stage_params", "moe_extra_layer_bytes", "ep_layer_time",
            "step_flops", "layout_refusals", "stage_memory", "step_time", "stage_in_flight", "cp_extra_layer_bytes",
-           "ATTENTION", "MATMULS", "block_of", "layer_kept_bytes", "Gemm", "gemm_seconds", "head_gemm",
+           "ATTENTION", "MATMULS", "block_of", "resolve_block", "layer_kept_bytes", "Gemm", "gemm_seconds", "head_gemm",
            "implied_efficiency", "layer_gemms", "matmul_seconds", "quantization", "tp_backward_exposed"]

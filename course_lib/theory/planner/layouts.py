@@ -13,7 +13,7 @@ from course_lib.theory.experts import MoESpec
 
 __all__ = ["Cluster", "Layout", "Estimate", "link", "layout_refusals", "cp_refusals", "ep_refusals", "CKPT", "GiB",
            "NOT_MODELLED", "SCHEDULES", "OVERLAPS", "ELEMENTWISE", "DDP_BUCKET_BYTES", "TRAFFIC_PASSES", "CP_VARIANTS",
-           "ATTENTION", "MATMULS", "block_of"]
+           "ATTENTION", "MATMULS", "block_of", "resolve_block"]
 
 CKPT = ("none", "selective", "full")
 GiB = 2 ** 30           # GPU memory: an "80 GB" A100 holds 80 GiB (nvidia-smi: 81,920 MiB), not 80 x 10^9 bytes
@@ -77,14 +77,19 @@ class Layout:
         return out + (f" overlap={self.overlap}" if self.overlap != "none" else "")
 
 
-def block_of(layout: Layout, elementwise: str = "none") -> tuple[bool, str]:
-    """(sequence parallelism, attention kernel) of the layout's transformer block: its own ``sp`` and ``attention``
-    where set, else what ``elementwise`` has always meant: "unfused" is Megatron-LM's 2021 block (no sequence
-    parallelism, the ``a s x s`` scores kept), "fused" and "none" today's (sequence parallelism, a fused kernel).
-    Megatron-LM's 2022 runs (Korthikanti et al.) are ``sp=True, attention="naive"``."""
+def resolve_block(sp: bool | None, attention: str | None, elementwise: str = "none") -> tuple[bool, str]:
+    """(sequence parallelism, attention kernel): ``sp`` and ``attention`` where set, else what ``elementwise`` has
+    always meant: "unfused" is Megatron-LM's 2021 block (no sequence parallelism, the ``a s x s`` scores kept),
+    "fused" and "none" today's (sequence parallelism, a fused kernel). Megatron-LM's 2022 runs (Korthikanti et al.)
+    are ``sp=True, attention="naive"``."""
     old = elementwise == "unfused"
-    return (not old if layout.sp is None else layout.sp,
-            ("naive" if old else "flash") if layout.attention is None else layout.attention)
+    return (not old if sp is None else sp, ("naive" if old else "flash") if attention is None else attention)
+
+
+def block_of(layout: Layout, elementwise: str = "none") -> tuple[bool, str]:
+    """(sequence parallelism, attention kernel) of the layout's transformer block (`resolve_block` of its own
+    ``sp`` and ``attention``)."""
+    return resolve_block(layout.sp, layout.attention, elementwise)
 
 
 @dataclasses.dataclass

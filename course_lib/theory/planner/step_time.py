@@ -14,7 +14,7 @@ from course_lib.theory import context as cp_theory
 from course_lib.theory import experts as moe_theory
 from course_lib.theory.experts import MoESpec
 from course_lib.theory.planner.layouts import (DDP_BUCKET_BYTES, ELEMENTWISE, MATMULS, TRAFFIC_PASSES, Cluster, Layout,
-                                               block_of, link)
+                                               block_of, link, resolve_block)
 from course_lib.theory.planner.matmuls import matmul_seconds
 from course_lib.theory.planner.stage_memory import layer_kept_bytes
 
@@ -62,9 +62,7 @@ def elementwise_bytes(cfg: ModelConfig, tp: int, seq_len: int | None = None, mic
     if kernels not in ("fused", "unfused"):
         raise ValueError(f"kernels={kernels!r}: choose one of {', '.join(ELEMENTWISE)}")
     s = cfg.seq_len if seq_len is None else seq_len
-    sp = kernels == "fused" if sp is None else sp
-    attention = ("flash" if kernels == "fused" else "naive") if attention is None else attention
-    return TRAFFIC_PASSES[ckpt] * layer_kept_bytes(cfg, tp, s, micro_batch, sp, attention)
+    return TRAFFIC_PASSES[ckpt] * layer_kept_bytes(cfg, tp, s, micro_batch, *resolve_block(sp, attention, kernels))
 
 
 def gemm_intensity(cfg: ModelConfig, tp: int, seq_len: int | None = None, micro_batch: int = 1) -> float:
@@ -162,14 +160,15 @@ def step_time(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_ba
     # executed / model FLOPs: full recomputation runs the forward twice, 2 + 2 + 4 = 8 FLOPs per parameter per
     # token instead of 2 + 4 = 6 (Narayanan et al. 2021, appendix: 96 B s l h^2 with recomputation, 72 without)
     recompute = {"none": 1.0, "selective": 1 + attn / (3 * layer_fwd), "full": 8 / 6}[layout.ckpt]
-    compute = model_flops * recompute / (cluster.n_gpus * gpu.bf16_tflops * 1e12 * kernel_efficiency)
     sp, attention = block_of(layout, elementwise)
-    if matmuls == "shapes":
+    if matmuls == "flat":
+        compute = model_flops * recompute / (cluster.n_gpus * gpu.bf16_tflops * 1e12 * kernel_efficiency)
+    elif matmuls == "shapes":
         mm = matmul_seconds(cfg, gpu, tp, pp, n, s, b, layout.ckpt, kernel_efficiency, attention, moe, ep)
         rest = max(0.0, model_flops / (cluster.n_gpus * accum) - mm["model_flops"])   # per micro-batch
         compute = accum * (mm["seconds"] + rest * recompute / (gpu.bf16_tflops * 1e12 * kernel_efficiency))
         recompute = (mm["flops"] + rest * recompute) / (mm["model_flops"] + rest)
-    elif matmuls != "flat":
+    else:
         raise ValueError(f"matmuls={matmuls!r}: choose one of {', '.join(MATMULS)}")
     layers = math.ceil(cfg.n_layer / pp)
     # memory-bound kernels: HBM bytes / bandwidth, per layer per micro-batch, for the stage's layers
@@ -253,9 +252,12 @@ def step_time(cfg: ModelConfig, gpu, cluster: Cluster, layout: Layout, global_ba
         dp_time, dp_exposed = dp_time + e_time, dp_exposed + e_exposed
     # TP: Megatron-Core --tp-comm-overlap / PyTorch async TP split each matmul into tp chunks and move one chunk while
     # the next multiplies: all hides behind the matmuls but one chunk in tp
-    tp_exposed = max(tp_time - compute, tp_time / tp) if layout.overlap == "dp+tp" and tp > 1 else tp_time
-    if layout.overlap.endswith("tp-bwd") and tp > 1:
+    if tp > 1 and layout.overlap == "dp+tp":
+        tp_exposed = max(tp_time - compute, tp_time / tp)
+    elif tp > 1 and layout.overlap.endswith("tp-bwd"):
         tp_exposed = layers * accum * tp_backward_exposed(cfg, gpu, layout, n, per_ar, kernel_efficiency)
+    else:
+        tp_exposed = tp_time
     # CP: the K/V exchange of every layer and micro-batch, forward (again in a recomputed forward) and backward
     cpt = cp_layer_time(cfg, gpu, cluster, layout, s, kernel_efficiency)
     again = 2 if layout.ckpt in ("selective", "full") else 1           # the recomputed attention exchanges again
