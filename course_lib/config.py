@@ -136,6 +136,21 @@ class ModelConfig:
             changes.setdefault(f, None)
         return dataclasses.replace(self, **changes)
 
+    def padded_vocab(self, multiple: int = 128) -> "ModelConfig":
+        """A copy whose vocab_size is rounded up to a multiple of `multiple` (lesson 12): 50257 -> 50304 for 128.
+
+        nanoGPT pads GPT-2's vocabulary so ("50304 ... padded up to nearest multiple of 64 for efficiency"): the LM
+        head's and the embedding's matmuls get a dimension that the matmul kernels tile without a ragged edge. The
+        tokenizer still emits ids below the old vocab_size, so the extra rows never receive a target, and the extra
+        embedding rows are never looked up. Their logits still enter the softmax's normaliser (as in nanoGPT): the
+        loss is that of the unpadded logits with the extra logits appended, and training pushes the extra logits
+        down. Model FLOPs stay those of the unpadded model (the padding is executed work, counted in HFU, not MFU).
+        Off unless asked for: no preset is padded. A vocab_size already a multiple comes back unchanged."""
+        if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple <= 0:
+            raise ConfigError(f"multiple={multiple!r} (the vocab_size padding) must be a positive int (e.g. 128)")
+        padded = -(-self.vocab_size // multiple) * multiple
+        return self if padded == self.vocab_size else self.replace(vocab_size=padded)
+
     # ---- parameter count (lesson 01) ---------------------------------------------------------
     def num_params(self, include_embeddings: bool = True) -> int:
         """Exact number of parameters (a tied head is counted once).

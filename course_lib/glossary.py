@@ -208,6 +208,18 @@ TERMS: dict[str, str] = {
     "shared expert": "共享专家",
     "active parameters": "激活参数",
     "total parameters": "总参数",
+    # one device at full speed (lesson 12)
+    "FP8 (8-bit floating point)": "8 位浮点（FP8）",
+    "scaling factor": "缩放因子",
+    "tensorwise scaling": "按张量缩放",
+    "rowwise scaling": "按行缩放",
+    "blockwise scaling": "按块缩放",
+    "saturation": "饱和（截断到最大值）",
+    "padded vocabulary": "填充后的词表",
+    "fused optimizer": "融合优化器",
+    "kernel launch overhead": "内核启动开销",
+    "CUDA graph": "CUDA 图",
+    "graph compilation (torch.compile)": "图编译（torch.compile）",
 }
 
 _ROW = re.compile(r"^\|\s*(?P<en>[^|]+?)\s*\|\s*(?P<zh>[^|]*?)\s*\|\s*$")

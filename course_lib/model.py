@@ -26,8 +26,9 @@ import torch.nn.functional as F
 
 from course_lib.config import ConfigError, ModelConfig
 
-__all__ = ["GPT", "Block", "CausalSelfAttention", "MLP", "lm_loss", "z_loss", "track_attention_logits",
-           "max_attention_logit", "build_model", "hf_gpt2_config", "to_hf_gpt2"]
+__all__ = ["GPT", "Block", "CausalSelfAttention", "MLP", "lm_loss", "z_loss", "naive_attention", "set_attention",
+           "track_attention_logits", "max_attention_logit", "build_model", "pad_vocab", "hf_gpt2_config",
+           "to_hf_gpt2"]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -62,6 +63,15 @@ def z_loss(logits: torch.Tensor, targets: torch.Tensor | None = None, ignore_ind
     return sq.sum() / count
 
 
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D) + causal mask) v, written out: the (B, H, T, T) softmax output is kept for backward
+    (lessons 07, 12: what the fused kernel saves in memory and time). No dropout."""
+    T, D = q.shape[-2], q.shape[-1]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))                # (B, H, T, D) -> (B, H, T, T)
+    mask = torch.full((T, T), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+    return torch.softmax(scores + mask, dim=-1) @ v                           # (B, H, T, T) -> (B, H, T, D)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention (Vaswani et al. 2017, section 3.2) with one fused qkv matmul.
 
@@ -81,6 +91,7 @@ class CausalSelfAttention(nn.Module):
     qk_norm = False                       # class defaults: a subclass that skips this __init__ (lesson 10's
     record_max_logit = False              # ContextParallelAttention) still runs `forward`
     max_logit: torch.Tensor | None = None
+    attention = "sdpa"                    # `set_attention(model, "naive")`: the written-out kernel instead
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -110,8 +121,10 @@ class CausalSelfAttention(nn.Module):
         return self.resid_drop(self.proj(y))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(D) + causal mask) v, fused (SDPA). Lesson 07 swaps in a naive version to
-        measure what the fused kernel saves."""
+        """softmax(q k^T / sqrt(D) + causal mask) v, fused (SDPA), or `naive_attention` where `set_attention`
+        chose it (lesson 12's ladder). Lesson 07 swaps in a naive version to measure what the fused kernel saves."""
+        if self.attention == "naive":
+            return naive_attention(q, k, v)
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
@@ -123,6 +136,21 @@ class CausalSelfAttention(nn.Module):
         logits = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)   # (B, H, T, T)
         future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)            # (T, T) key after query
         return logits.masked_fill(future, float("-inf")).amax()
+
+
+def set_attention(model: nn.Module, kind: str = "sdpa") -> nn.Module:
+    """Every `CausalSelfAttention` of `model` computes attention the `kind` way from now on: 'sdpa' (the fused
+    kernel, the default) or 'naive' (`naive_attention`, which has no dropout: refused when dropout > 0). Returns
+    `model` (lesson 12)."""
+    if kind not in ("sdpa", "naive"):
+        raise ValueError(f"attention kind={kind!r} is unknown: pick 'sdpa' or 'naive'")
+    for m in model.modules():
+        if isinstance(m, CausalSelfAttention):
+            if kind == "naive" and m.dropout > 0:
+                raise ConfigError(f"dropout={m.dropout} with naive attention: naive_attention has no dropout, "
+                                  f"use dropout=0.0 or kind='sdpa'")
+            m.attention = kind
+    return model
 
 
 def track_attention_logits(model: nn.Module, on: bool = True) -> None:
@@ -249,6 +277,25 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> GPT:
     """Seed torch's RNG with `seed`, then build `GPT(cfg)`: the same seed gives the same weights."""
     torch.manual_seed(seed)
     return GPT(cfg)
+
+
+@torch.no_grad()
+def pad_vocab(model: GPT, multiple: int = 128) -> GPT:
+    """A copy of `model` with its vocabulary padded to a multiple of `multiple` (`ModelConfig.padded_vocab`, lesson
+    12): every weight copied, the extra rows of the embedding and of the LM head zero, so the first vocab_size
+    logits are the unpadded model's and each extra logit is 0 (it enters the softmax's normaliser; it is never a
+    target). Same device, dtype and train/eval mode as `model`."""
+    cfg, new_cfg = model.cfg, model.cfg.padded_vocab(multiple)
+    w = model.tok_emb.weight
+    with torch.random.fork_rng(devices=[]):                       # its random init is overwritten: leave the RNG be
+        padded = GPT(new_cfg).to(device=w.device, dtype=w.dtype).train(model.training)
+    state = model.state_dict()
+    for name, t in padded.state_dict().items():
+        if t.shape != state[name].shape:                          # tok_emb.weight / head.weight: (V, C) -> (V', C)
+            t.zero_()[: cfg.vocab_size].copy_(state[name])
+        else:
+            t.copy_(state[name])
+    return padded
 
 
 # ---- Hugging Face transformers GPT-2 (a library reference, built from a config: no download) ----------

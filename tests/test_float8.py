@@ -212,3 +212,47 @@ def test_fp8_training_equals_torchao_step_for_step_and_follows_bf16():
     bf16 = train(copy.deepcopy(base).to(torch.bfloat16))
     assert all(abs(a - b) < 0.05 * b for a, b in zip(ours, bf16)), (ours, bf16)
     assert ours[-1] < ours[0]
+
+
+# --- lesson 12's FP8 experiments (course_lib/lessons/l12_one_device/fp8.py) ---------------------------------------
+
+def test_outlier_sweep_shows_where_the_scale_granularity_starts_to_matter():
+    from course_lib.lessons.l12_one_device import fp8 as lab
+    rows = {(r["factor"], r["granularity"]): r for r in lab.outlier_sweep(factors=(1e1, 1e5))}
+    calm = [rows[(1e1, g)]["ordinary"] for g in ("per tensor", "per row (token)", "1 x 128 tiles")]
+    assert max(calm) - min(calm) < 0.005, "outliers 10x: e4m3's range holds every channel whatever the scales"
+    wild = {g: rows[(1e5, g)] for g in ("per tensor", "per row (token)", "per column (channel)", "1 x 128 tiles")}
+    assert wild["per tensor"]["ordinary"] > 0.3 and wild["per tensor"]["zeros"] > 0.3
+    assert wild["per column (channel)"]["ordinary"] < 0.03
+    assert wild["1 x 128 tiles"]["ordinary"] < wild["per row (token)"]["ordinary"] < wild["per tensor"]["ordinary"]
+
+
+def test_loss_curves_fp8_follows_bf16_and_refuses_a_wrong_vocabulary():
+    from course_lib.lessons.l12_one_device import fp8 as lab
+    curves = lab.loss_curves(PRESETS["small"], steps=4, batch_size=2)
+    assert set(curves) == {"bf16", "tensorwise", "rowwise"} and all(len(v) == 4 for v in curves.values())
+    for recipe in ("tensorwise", "rowwise"):
+        assert all(abs(a - b) < 0.02 * b for a, b in zip(curves[recipe], curves["bf16"])), (recipe, curves)
+    assert curves["tensorwise"] != curves["bf16"], "the fp8 run must run something else than bf16"
+    with pytest.raises(ValueError, match="vocab_size=64"):
+        lab.loss_curves(PRESETS["small"].replace(vocab_size=64), steps=1, batch_size=1)
+
+
+def test_fp8_gemm_availability_by_device(monkeypatch):
+    from course_lib.lessons.l12_one_device import fp8 as lab
+    ok, why = lab.fp8_gemm_available("cpu")
+    assert not ok and "dequantizes" in why
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    ok, why = lab.fp8_gemm_available(torch.device("cuda", 0))
+    assert not ok and "sm_80" in why and "A100" in why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert lab.fp8_gemm_available(torch.device("cuda", 0)) == (True, "")
+
+
+def test_matmul_speed_reports_each_path():
+    from course_lib.lessons.l12_one_device import fp8 as lab
+    out = lab.matmul_speed(64, 128, 32, device="cpu", repeats=1)
+    for name in ("bf16", "fp8 tensorwise", "fp8 rowwise"):
+        assert out[name]["seconds"] > 0 and out[name]["flop_s"] == pytest.approx(2 * 64 * 128 * 32 / out[name]["seconds"])
+    assert out["fp8_tensor_cores"] is False and out["hardware"].startswith("CPU")

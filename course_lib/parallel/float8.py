@@ -40,6 +40,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from course_lib.reference import reference_for
+
 __all__ = ["E4M3", "E5M2", "EPS", "Float8Recipe", "RECIPES", "amax_to_scale", "quantize", "dequantize",
            "round_trip_error", "fp8_matmul", "quantize_blocks", "dequantize_blocks", "blockwise_matmul",
            "Float8Linear", "to_float8_training"]
@@ -81,6 +83,7 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype = E4M3, power_of_2: boo
     return torch.exp2(torch.floor(torch.log2(scale))) if power_of_2 else scale
 
 
+@reference_for("12-fp8-rows")
 @torch.no_grad()
 def quantize(x: torch.Tensor, dtype: torch.dtype = E4M3, axis: int | None = None,
              power_of_2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +114,7 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+@reference_for("12-fp8-linear")
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, recipe: Float8Recipe | str = "tensorwise",
                a_dtype: torch.dtype = E4M3, b_dtype: torch.dtype = E4M3,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:

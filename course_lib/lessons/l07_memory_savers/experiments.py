@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 from contextlib import contextmanager
 
@@ -30,7 +29,7 @@ from course_lib.measure.hardware import hardware_label
 from course_lib.lessons.variants import train_variant
 from course_lib.measure.speed import count_flops, time_fn
 from course_lib.measure.memory_stats import SavedActivations, model_state_bytes
-from course_lib.model import build_model
+from course_lib.model import build_model, naive_attention   # naive_attention: shared by lessons 07, 10 and 12
 from course_lib.one_process import grads_of
 from course_lib.parallel.checkpointing import (apply_activation_checkpointing, recompute_attention_core,
                                               remove_activation_checkpointing)
@@ -119,15 +118,7 @@ def measure_step(model, x, y) -> dict:
     return dict(held=live.held, peak=live.peak, loss=loss.item(), grads=grads_of(model))
 
 
-# ------------------------------------------------------------------------------ naive attention
-
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) + causal mask) v, written out: the (B, H, T, T) softmax output is kept."""
-    T, D = q.shape[-2], q.shape[-1]
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))                # (B, H, T, D) -> (B, H, T, T)
-    mask = torch.full((T, T), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
-    return torch.softmax(scores + mask, dim=-1) @ v                           # (B, H, T, T) -> (B, H, T, D)
-
+# ------------------------------------------------------------------------------ naive attention (course_lib.model)
 
 def _sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from course_lib.measure.memory_stats import SavedActivations
 from course_lib.parallel.block_attention import (attend_block, block_pairs, blocks_of, blockwise_attention,
                                                  merge_partials, no_partial)
 from course_lib.theory.savers import attention_saved_bytes
+from course_lib.model import naive_attention  # the written-out kernel, shared by lessons 07, 10 and 12
 
 __all__ = ["naive_attention", "attention_memory_sweep", "blockwise_errors", "timed_ring_forward",
            "rank_context_lab", "rank_torch_context_parallel", "CASES"]
@@ -29,13 +29,6 @@ __all__ = ["naive_attention", "attention_memory_sweep", "blockwise_errors", "tim
 CASES = (("ring", "balanced"), ("ring", "contiguous"), ("all_gather", "balanced"), ("ulysses", "balanced"))
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) + causal mask) v written out (as lesson 07's): (B, H, s, D) -> (B, H, s, D); keeps the
-    (B, H, s, s) softmax output for backward."""
-    s = q.shape[-2]
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))       # (B, H, s, s)
-    mask = torch.full((s, s), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
-    return torch.softmax(scores + mask, dim=-1) @ v                            # (B, H, s, s) @ (B, H, s, D)
 
 
 def attention_memory_sweep(seq_lens, batch: int = 1, n_head: int = 1, head_dim: int = 16,

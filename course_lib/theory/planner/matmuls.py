@@ -30,6 +30,7 @@ import dataclasses
 import math
 
 from course_lib.config import ModelConfig
+from course_lib.reference import reference_for
 from course_lib.theory.experts import MoESpec
 
 __all__ = ["TILES", "Gemm", "quantization", "gemm_seconds", "layer_gemms", "head_gemm", "implied_efficiency",
@@ -60,6 +61,7 @@ class Gemm:
                 Gemm(self.name + " wgrad", self.k, self.n, self.m, self.batch, self.fused))
 
 
+@reference_for("12-tile-waves")
 def quantization(m: int, n: int, sms: int, batch: int = 1, tiles=TILES) -> float:
     """The fraction of the tiles' work that is the GEMM's own, for the better of ``tiles``: ``batch x m x n`` over
     (waves x SMs x the tile's area), waves = ceil(tiles / SMs). 1.0 when m and n are multiples of the tile and the

@@ -1,0 +1,74 @@
+"""The ladder of lesson 12 as text: a table with one line per rung, where each rung's time goes, and the one-line
+summary that `benchmarks/bench_one_device.py` ends with."""
+
+from __future__ import annotations
+
+from course_lib.lessons.l12_one_device.profile import CATEGORIES
+from course_lib.measure.units import fmt_bytes
+
+__all__ = ["ladder_table", "breakdown_table", "fp8_speedup", "summary_line"]
+
+
+def ladder_table(rows: list[dict]) -> str:
+    """One line per row of `ladder.ladder`: tokens/s, step time, speed-up over the first rung, MFU (device peak and
+    best matmul here), peak memory, first-step loss, compile time and kernels per step; a skipped rung with its
+    reason. Notes (bf16 flagged, fused or foreach, ...) follow the table."""
+    head = (f"{'rung':32s} {'B':>3s} {'tokens/s':>9s} {'step ms':>8s} {'x':>5s} {'MFU':>6s} {'MFU mm':>6s} "
+            f"{'peak mem':>9s} {'loss0':>7s} {'compile':>7s} {'kernels':>7s}")
+    lines, first, notes = [head, "-" * len(head)], None, []
+    for r in rows:
+        if r["status"] != "measured":
+            lines.append(f"{r['rung']:32s} skipped: {r['note']}")
+            continue
+        first = first or r
+        mem = fmt_bytes(r["peak_bytes"]) if r["peak_bytes"] is not None else "n/a"
+        lines.append(f"{r['rung']:32s} {r['batch']:3d} {r['tokens_per_s']:9,.0f} {r['step_s'] * 1e3:8.1f} "
+                     f"{r['tokens_per_s'] / first['tokens_per_s']:5.2f} {r['mfu']:6.1%} {r['mfu_matmul']:6.1%} "
+                     f"{mem:>9s} {r['loss0']:7.4f} {r['compile_s']:6.1f}s {r['kernels'] or 0:7d}")
+        if r["note"]:
+            notes.append(f"  {r['rung']}: {r['note']}")
+    if first is not None:
+        kernels = "kernels launched" if first["device"].startswith("cuda") else "ATen operators dispatched"
+        lines += [f"x: tokens/s over the first rung. MFU: model FLOPs of the unpadded model / the peak "
+                  f"({first['peak_source']}, {first['peak'] / 1e12:.3f} TFLOP/s); MFU mm: / the best "
+                  f"matmul measured here in the rung's dtype.",
+                  f"peak mem: {first['memory_source']}. compile: first step's time minus a timed step's. "
+                  f"kernels: {kernels} per step."]
+    return "\n".join(lines + notes)
+
+
+def breakdown_table(rows: list[dict]) -> str:
+    """Per measured row, the share of the step's profiled time in each kind (`profile.CATEGORIES`) and the kernel
+    that took the most."""
+    head = f"{'rung':32s} " + " ".join(f"{c:>11s}" for c in CATEGORIES) + "  top kernel"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        prof = r.get("breakdown")
+        if r["status"] != "measured" or not prof:
+            continue
+        top = prof["top"][0] if prof["top"] else {"name": "-", "self_s": 0.0}
+        lines.append(f"{r['rung']:32s} " + " ".join(f"{prof['share'][c]:11.1%}" for c in CATEGORIES)
+                     + f"  {top['name'][:40]} ({top['self_s'] * 1e3:.1f} ms)")
+    return "\n".join(lines)
+
+
+def fp8_speedup(rows: list[dict]) -> float | None:
+    """tokens/s of the rung named 'fp8' over the measured course rung below it (its bf16 step); None while the
+    ladder has no measured fp8 rung (`ladder.insert_rung` adds it)."""
+    course = [r for r in rows if r["library"] == "course"]
+    for below, r in zip(course, course[1:]):
+        if r["rung"] == "fp8" and r["status"] == "measured" and below["status"] == "measured":
+            return r["tokens_per_s"] / below["tokens_per_s"]
+    return None
+
+
+def summary_line(rows: list[dict], model: str) -> str:
+    """``one device: <hardware>: <model> MFU X % (transformers baseline Y %), fp8/bf16 Z x``: the best course rung's
+    MFU, the best transformers row's, and `fp8_speedup` (``n/a`` until the fp8 rung exists)."""
+    measured = [r for r in rows if r["status"] == "measured"]
+    best = max((r["mfu"] for r in measured if r["library"] == "course"), default=float("nan"))
+    base = max((r["mfu"] for r in measured if r["library"] == "transformers"), default=float("nan"))
+    fp8 = fp8_speedup(rows)
+    hw = rows[0]["hardware"] if rows else "?"
+    return (f"one device: {hw}: {model} MFU {best * 100:.1f} % (transformers baseline {base * 100:.1f} %), "
+            f"fp8/bf16 {'n/a' if fp8 is None else f'{fp8:.2f}'} x")
