@@ -21,7 +21,7 @@ from course_lib.config import PRESETS
 from course_lib.model import build_model
 from course_lib.parallel import float8 as f8
 
-BF16_TWICE = 2.0 ** -8 + 1e-6           # two round-to-nearest bf16 roundings, 2^-9 each
+BF16_TWICE = (1 + 2.0 ** -9) ** 2 - 1    # two round-to-nearest bf16 roundings, 2^-9 relative each
 
 
 def _torchao_linear(linear: nn.Linear, recipe: str) -> nn.Module:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from course_lib.config import ConfigError, ModelConfig, get_preset
 from course_lib.data import random_batches
 from course_lib.lessons.l12_one_device import ladder as ladder_mod
-from course_lib.lessons.l12_one_device.ladder import (RUNGS, bf16_support, cuda_graphs_support, insert_rung,
+from course_lib.lessons.l12_one_device.ladder import (RUNGS, TWIN, bf16_support, cuda_graphs_support, insert_rung,
                                                       ladder)
 from course_lib.lessons.l12_one_device.profile import classify, profile_step
 from course_lib.lessons.l12_one_device.report import fp8_speedup, ladder_table, summary_line
@@ -164,7 +164,11 @@ def rows():
 
 def test_ladder_rows_have_their_fields_and_positive_numbers(rows):
     names = [r["rung"] for r in rows]
-    assert names[:len(NO_COMPILE)] == [r.name for r in NO_COMPILE] and names[-1].startswith("transformers")
+    assert names[:len(NO_COMPILE)] == [r.name for r in NO_COMPILE]
+    assert names[-2].startswith("transformers") and names[-1] == TWIN
+    twin, theirs = rows[-1], rows[-2]
+    assert twin["options"] == dict(theirs["options"], library="course"), "like for like: the same switches"
+    assert twin["loss0"] == pytest.approx(theirs["loss0"], rel=1e-3)
     measured = [r for r in rows if r["status"] == "measured"]
     skipped = [r["rung"] for r in rows if r["status"] == "skipped"]
     assert skipped == ["fp8", "CUDA graphs"], skipped                          # a CPU has no FP8 tensor cores

@@ -21,6 +21,7 @@ from course_lib.dist import GridLayout
 from course_lib.grading.check import CheckFailed, answer_digest, check_answer
 from course_lib.lessons.l11_experts.experiments import mixtral_config
 from course_lib.lessons.quizzes import QUIZZES, quiz, score
+from course_lib.measure.hardware import GPU_SPECS
 from course_lib.parallel import moe, schedules
 from course_lib.theory import practice
 
@@ -56,6 +57,9 @@ EXPECTED = {
            "q2": sum(max(0, n - moe.capacity_of(1.0, 1024, 1, 4)) for n in (400, 208, 208, 208)),   # no rerouting:
            # the 3 x 48 free places of the other experts do not take expert 0's 144 extra tokens
            "q3": 100 * (lambda p: p["active"] / p["total"])(theory.experts.moe_params(mixtral_config(), 8, 1))},
+    "12": {"q1": torch.finfo(torch.float8_e4m3fn).smallest_normal * 1e4 / torch.finfo(torch.float8_e4m3fn).max,
+           "q2": (get_preset("gpt2-124m").padded_vocab(128).vocab_size - 50257) / 50257 * 100,   # only the head grows
+           "q3": math.ceil(math.ceil(4096 / 256) * math.ceil(50304 / 128) / GPU_SPECS["H100"].sms)},
 }
 
 

@@ -81,6 +81,11 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
                "section 2, capacity: a limit on each expert's queue, or a budget the experts share?"),
         "q3": ("585ba3c09d47d606dd065aa4", 0.02, "section 1: which experts' weights one token's matmuls never touch"),
     },
+    "12": {
+        "q1": ("03f22eddf322a0706b63851e", 0.02, "section 4: the scale maps the amax onto e4m3's largest value"),
+        "q2": ("657390779592a6220132dd1c", 0.02, "section 3: the head's FLOPs grow with the rows added, not the total"),
+        "q3": ("e2a20fe98f3dff32b8b39c79", None, "section 3: tiles along each side, then whole waves of 132"),
+    },
 }
 
 

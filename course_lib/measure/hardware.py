@@ -28,7 +28,8 @@ class GPUSpec:
     mem_gb: memory (GB); mem_bw_gbs: memory bandwidth (GB/s);
     link_gbs: per-GPU, one-direction bandwidth of the node-local interconnect (GB/s), named in ``link``;
     sms: streaming multiprocessors (NVIDIA's A100 whitepaper: 108 on the A100; H100 whitepaper: 132 on the H100
-    SXM5, 114 on the H100 PCIe; `_SMS`), 0 where not recorded.
+    SXM5, 114 on the H100 PCIe; `_SMS`), 0 where not recorded;
+    fp8_tflops: peak dense FP8 tensor-core TFLOP/s, 0 where the GPU has none or it is not recorded (`_HOPPER_FP8`).
     """
 
     name: str
@@ -39,6 +40,7 @@ class GPUSpec:
     link: str
     source: str
     sms: int = 0     # streaming multiprocessors (the planner's wave quantization, `theory.planner.matmuls`); 0: unknown
+    fp8_tflops: float = 0.0
 
 
 # Vendor datasheets and whitepapers (dense numbers; NVIDIA lists "with sparsity" figures, which are 2x these).
@@ -106,7 +108,13 @@ GPU_SPECS: dict[str, GPUSpec] = {
 # configuration (132; not read from an NVIDIA datasheet here). Rows not listed keep 0 (unknown).
 _SMS = {"A100": 108, "A100 40GB": 108, "A100 PCIe": 108, "A100 PCIe 40GB": 108, "H100": 132, "H800": 132,
         "H100 PCIe": 114, "H200": 132, "GH200": 132}
-GPU_SPECS = {key: replace(spec, sms=_SMS.get(key, 0)) for key, spec in GPU_SPECS.items()}
+# Hopper's dense FP8 tensor-core peak is twice its dense bf16 peak on every form factor: NVIDIA's H100 datasheet
+# lists FP8 3,958 / 3,026 / 3,341 TFLOPS with sparsity (SXM / PCIe / NVL) beside BF16 1,979 / 1,513 / 1,671; the H200
+# and GH200 datasheets 3,958 (NVL: 3,341) beside 1,979 (1,671). The H800 takes the H100 SXM5's compute.
+_HOPPER_FP8 = ("H100", "H800", "H100 PCIe", "H100 NVL", "H200", "H200 NVL", "GH200")
+GPU_SPECS = {key: replace(spec, sms=_SMS.get(key, 0),
+                          fp8_tflops=2 * spec.bf16_tflops if key in _HOPPER_FP8 else 0.0)
+             for key, spec in GPU_SPECS.items()}
 
 # How CUDA names these devices (torch.cuda.get_device_name), most specific first: the form factor decides the peak
 # (an H100 PCIe is not an H100 SXM), so a name matches a row only by its whole model number and form factor.

@@ -23,15 +23,20 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 def unique_bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
     """Bytes of the storages behind ``tensors`` that are not in ``seen`` yet (``seen`` is updated): a storage
-    shared by several tensors (tied weights, views) counts once; a DTensor counts its local shard. None and
-    non-tensors are skipped."""
+    shared by several tensors (tied weights, views) counts once; a DTensor counts its local shard. None,
+    non-tensors and tensors without memory of their own (the fake and functional tensors that `torch.compile`'s
+    tracing leaves alive) are skipped."""
     total = 0
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
             continue
         if hasattr(t, "to_local"):                 # a DTensor (FSDP2, DTensor TP): this rank's shard
             t = t.to_local()
-        key = (t.device, t.untyped_storage().data_ptr())
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except RuntimeError:                       # "Cannot access data pointer of Tensor (e.g. FakeTensor, ...)"
+            continue
+        key = (t.device, ptr)
         if key in seen or t.untyped_storage().nbytes() == 0:
             continue
         seen.add(key)

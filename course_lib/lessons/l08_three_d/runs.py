@@ -267,9 +267,8 @@ DEEPSEEK_V3_MOE = MoESpec(n_experts=256, top_k=8, expert_d_ff=2048, n_shared=1, 
 # s x s matrix + the MTP module): an average over the pre-training's GPU hours, the batch-size ramp included.
 DEEPSEEK_TOKENS_PER_GPU_S = 1e12 / (180e3 * 3600)                        # 1,543 tokens/s per H800
 _DSV3_TFLOPS = DEEPSEEK_TOKENS_PER_GPU_S * DEEPSEEK_V3_MOE.flops_per_token(DEEPSEEK_V3_CFG, 4096) / 1e12
-# Hopper's dense FP8 tensor-core peak is twice its bf16 peak: NVIDIA's H100 SXM datasheet lists 3,958 (FP8) and 1,979
-# (BF16) TFLOPS "with sparsity", 1,979 and 989 dense; the H800 row takes the H100 SXM5's compute (measure/hardware.py).
-H800_FP8_TFLOPS = 2 * GPU_SPECS["H800"].bf16_tflops
+# Hopper's dense FP8 tensor-core peak, twice its bf16 peak (measure/hardware.py, GPUSpec.fp8_tflops)
+H800_FP8_TFLOPS = GPU_SPECS["H800"].fp8_tflops
 DEEPSEEK_V3 = PublishedRun(
     "DeepSeek-V3 671B MoE", "deepseek-v3", "H800", 256, 8, 50.0, "InfiniBand, 50 GB/s per GPU",
     global_batch=15360, seq_len=4096, dp=128, tp=1, pp=16, zero=1, ckpt="full", micro_batch=None,

@@ -41,7 +41,7 @@ from course_lib.measure import hardware, speed
 from course_lib.theory.flops import step_flops
 
 __all__ = ["Rung", "LadderSetup", "RUNGS", "insert_rung", "bf16_support", "fused_adamw_support", "compile_support",
-           "cuda_graphs_support", "baseline_options", "device_peak", "ladder", "default_sizes", "CPU_CONFIG"]
+           "cuda_graphs_support", "baseline_options", "TWIN", "device_peak", "ladder", "default_sizes", "CPU_CONFIG"]
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,9 @@ def insert_rung(rungs: Sequence[Rung], rung: Rung, after: str) -> tuple[Rung, ..
     return (*rungs[:i], rung, *rungs[i:])
 
 
+TWIN = "course GPT, the baseline's options"     # the course's model with exactly the first transformers row's switches
+
+
 def baseline_options(opts: StepOptions, device: torch.device, compile_baseline: bool) -> list[tuple[str, StepOptions]]:
     """The transformers rows: GPT2LMHeadModel with SDPA attention, fp32 weights under the same autocast as the
     ladder (Hugging Face Trainer's ``bf16=True`` recipe), fused AdamW where supported, the ladder's micro-batch;
@@ -227,7 +230,8 @@ def ladder(cfg: ModelConfig, batch_size: int, device=None, rungs: Sequence[Rung]
     default 4 x batch on a GPU, 2 x on a CPU), with ``warmup`` untimed steps each (the first one compiles); then
     ``rounds`` rounds of ``steps`` timed steps per rung in turn. ``baseline``: the transformers rows
     (`baseline_options`; ``compile_baseline`` default: on a GPU only, inductor's CPU compile takes tens of seconds).
-    ``profile``: two profiled steps per rung (time by kind, top kernels, kernel count; CPU peak memory).
+    After the first transformers row comes the course's GPT built with exactly its switches (`TWIN`): the
+    like-for-like comparison of the two models. ``profile``: two profiled steps per rung (time by kind, top kernels, kernel count; CPU peak memory).
 
     Returns one row per rung (then per baseline) with: rung, library, status ('measured' or 'skipped'), note
     (the reason when skipped), batch, tokens, step_s, tokens_per_s, model_flops (unpadded, per step),
@@ -251,9 +255,13 @@ def ladder(cfg: ModelConfig, batch_size: int, device=None, rungs: Sequence[Rung]
         entries.append(_Entry(rung.name, "course", note, built, peak))
     if baseline:
         compile_baseline = cuda if compile_baseline is None else compile_baseline
-        for name, o in baseline_options(opts, device, compile_baseline):
+        for i, (name, o) in enumerate(baseline_options(opts, device, compile_baseline)):
             built, peak, why = _build(cfg, o, setup, x, y, seed, warmup)
             entries.append(_Entry(name, "transformers", why, built, peak))
+            if i == 0:                                           # like for like: the course's GPT, the same switches
+                twin = dataclasses.replace(o, library="course")
+                built, peak, why = _build(cfg, twin, setup, x, y, seed, warmup)
+                entries.append(_Entry(TWIN, "course", why, built, peak))
     live = [e for e in entries if e.built is not None]
     for _ in range(rounds):                                      # interleaved: a slow spell hits every rung
         for e in live:
