@@ -3,6 +3,7 @@ every rung measured in the same run, with Hugging Face's GPT-2 beside it.
 
     .venv/bin/python benchmarks/bench_one_device.py                      # this machine's sizes (lessons.sizes)
     .venv/bin/python benchmarks/bench_one_device.py --rounds 5 --compile-baseline
+    python benchmarks/bench_one_device.py --preset gpt2-1.5b --layers 4 --batch 4   # a GPU: wide enough for FP8
 
 Sizes: GPT-2 124M at batch 8 x 1024 on a GPU; on a CPU `ladder.CPU_CONFIG` (2 layers, d_model 128, vocabulary 6,143:
 one short of a multiple of 128) at batch 8 x 128. On a CPU the two torch.compile rungs spend most of the wall time
@@ -20,6 +21,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")       # the profiler's start/stop
 import argparse  # noqa: E402
 import time  # noqa: E402
 
+from course_lib.config import get_preset  # noqa: E402
 from course_lib.lessons.l12_one_device.ladder import default_sizes, ladder  # noqa: E402
 from course_lib.lessons.l12_one_device.report import breakdown_table, ladder_table, summary_line  # noqa: E402
 from course_lib.lessons.sizes import sizes_label  # noqa: E402
@@ -31,9 +33,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all rungs (the median of every timed step)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per rung and round")
     ap.add_argument("--max-micro-batch", type=int, default=None, help="largest micro-batch the ladder tries")
+    ap.add_argument("--preset", default=None, help="a model preset instead of this machine's size, e.g. gpt2-1.5b")
+    ap.add_argument("--layers", type=int, default=None, help="keep the preset's width, change its number of layers")
     ap.add_argument("--compile-baseline", action="store_true", help="also transformers + torch.compile on a CPU")
     args = ap.parse_args()
     cfg, batch = default_sizes()
+    if args.preset:
+        cfg = get_preset(args.preset)
+    if args.layers:
+        cfg = cfg.replace(n_layer=args.layers, name=f"{cfg.name}, {args.layers} layers")
     batch = args.batch or batch
     t0 = time.perf_counter()
     rows = ladder(cfg, batch, rounds=args.rounds, steps=args.steps, max_micro_batch=args.max_micro_batch,

@@ -57,7 +57,7 @@ TERMS: dict[str, str] = {
     "causal mask": "因果掩码",
     "weak scaling": "弱扩展",
     "calibration (of a cost model)": "（代价模型的）校准",
-    "tile quantization": "分块量化（矩阵乘分块的浪费）",
+    "tile quantization": "tile 量化效应（矩阵乘分块尾部的浪费）",
     "wave quantization": "波次量化（SM 波次的浪费）",
     "model chunk (virtual pipeline stage)": "模型块（虚拟流水线阶段）",
     "input-gradient pass (B)": "输入梯度计算（B）",

@@ -108,9 +108,10 @@ GPU_SPECS: dict[str, GPUSpec] = {
 # configuration (132; not read from an NVIDIA datasheet here). Rows not listed keep 0 (unknown).
 _SMS = {"A100": 108, "A100 40GB": 108, "A100 PCIe": 108, "A100 PCIe 40GB": 108, "H100": 132, "H800": 132,
         "H100 PCIe": 114, "H200": 132, "GH200": 132}
-# Hopper's dense FP8 tensor-core peak is twice its dense bf16 peak on every form factor: NVIDIA's H100 datasheet
-# lists FP8 3,958 / 3,026 / 3,341 TFLOPS with sparsity (SXM / PCIe / NVL) beside BF16 1,979 / 1,513 / 1,671; the H200
-# and GH200 datasheets 3,958 (NVL: 3,341) beside 1,979 (1,671). The H800 takes the H100 SXM5's compute.
+# Hopper's dense FP8 tensor-core peak, twice its dense bf16 peak (the datasheets' figures with sparsity, halved): read
+# for the H100 SXM and PCIe (NVIDIA's H100 datasheet: FP8 3,958 / 3,026 TFLOPS with sparsity beside BF16 1,979 /
+# 1,513); the H200 SXM's 3,958 seen in secondary sources only; the H100 NVL, H200 NVL and GH200 rows and the H800
+# (the H100 SXM5's compute, see its row) are inferred from the same ratio, not read from a datasheet here.
 _HOPPER_FP8 = ("H100", "H800", "H100 PCIe", "H100 NVL", "H200", "H200 NVL", "GH200")
 GPU_SPECS = {key: replace(spec, sms=_SMS.get(key, 0),
                           fp8_tflops=2 * spec.bf16_tflops if key in _HOPPER_FP8 else 0.0)

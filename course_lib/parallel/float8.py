@@ -227,8 +227,8 @@ def dequantize_blocks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def blockwise_matmul(a: torch.Tensor, b: torch.Tensor, block: int = 128) -> torch.Tensor:
     """a (M, K) @ b (K, N) in DeepSeek-V3's FP8 numerics, emulated: a in 1 x block tiles, b in block x block blocks,
-    both e4m3, dequantized and multiplied in fp32 (the products of two fp8 numbers are exact in fp32; the GPU kernel
-    instead promotes its partial sums to fp32 every 128 elements of K). fp32 result."""
+    both e4m3, dequantized (data / scale, rounded to fp32), then one fp32 matmul (the GPU kernel instead multiplies each
+    128-element partial sum of K by its scales when it promotes it to fp32). fp32 result."""
     a8, sa = quantize_blocks(a, (1, block))
     b8, sb = quantize_blocks(b, (block, block))
     return dequantize_blocks(a8, sa) @ dequantize_blocks(b8, sb)

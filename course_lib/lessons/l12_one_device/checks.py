@@ -32,8 +32,9 @@ def _call(name: str, fn, *args):
     except CheckFailed:
         raise
     except Exception as exc:  # noqa: BLE001 - a learner's error becomes a failed check, not a crash
-        raise CheckFailed(name, f"raised {type(exc).__name__}: {exc}",
-                          "read the shapes in the message: which operand, which axis") from None
+        hint = ("read the shapes in the message: which operand, which axis"
+                if isinstance(exc, (ValueError, RuntimeError, IndexError)) else "the error is in your function")
+        raise CheckFailed(name, f"raised {type(exc).__name__}: {exc}", hint) from None
 
 
 # ------------------------------------------------------------------------------ 12-fp8-rows
@@ -43,6 +44,7 @@ def _rows_input(seed: int = 0) -> torch.Tensor:
     x = torch.randn(6, 40, generator=g) * torch.logspace(-2, 2, 6)[:, None]   # rows of very different size
     x[1, 7] = -300.0                                                         # a row whose largest |x| is negative
     x[3] = 0.0                                                               # an all-zero row
+    x[5] = x[5] / x[5].abs().max() * 1e-4                                    # a gradient-sized row: amax 1e-4
     return x
 
 
@@ -61,8 +63,6 @@ def check_quantize_rows(quantize_rows) -> dict:
         check_equal(f"{case}: scale shape", tuple(scale.shape), (6, 1),
                     hint="one scale per row, kept as a column so that it broadcasts over the row")
         check_equal(f"{case}: scale dtype", str(scale.dtype), "torch.float32", hint="keep the scales in float32")
-        check_true(f"{case}: the all-zero row's scale is finite", bool(torch.isfinite(scale[3]).all()),
-                   hint="an all-zero row has amax 0: floor the amax at a tiny positive number before dividing")
         fmax = torch.finfo(dtype).max
         top = data.float().abs().amax(dim=1)
         nonzero = [0, 1, 2, 4, 5]
@@ -70,10 +70,14 @@ def check_quantize_rows(quantize_rows) -> dict:
                     top[nonzero], torch.full((5,), fmax), rtol=1e-6, atol=0,
                     hint="the scale maps the row's largest magnitude (abs!) onto the format's own largest finite "
                          "value, torch.finfo(fp8_dtype).max")
+        check_true(f"{case}: the all-zero row's scale is finite", bool(torch.isfinite(scale[3]).all()),
+                   hint="an all-zero row has amax 0: floor the amax at a tiny positive number before dividing")
+        check_true(f"{case}: the all-zero row's scale is positive", bool((scale[3] > 0).all()),
+                   hint="data / scale reads the row back: a zero scale gives 0 / 0")
         check_equal(f"{case}: the all-zero row stays zero", data[3].float().abs().max().item(), 0.0)
         back = data.float() / scale
         step = torch.finfo(dtype).eps / 2                              # half the gap between 1 and the next value
-        normal = x.abs() >= x.abs().amax(dim=1, keepdim=True) * 2.0 ** -4
+        normal = (x.abs() >= x.abs().amax(dim=1, keepdim=True) * 2.0 ** -4) & (x != 0)
         rel = ((back - x).abs() / x.abs().clamp(min=1e-30))[normal].max().item()
         check_true(f"{case}: round trip data / scale (largest relative error {rel:.3g}, allowed {step})",
                    rel <= step * (1 + 1e-6),
@@ -151,6 +155,7 @@ TILE_CASES = [  # (m, n, sms, tile): each makes a mistake show
     (512, 256, 4, (128, 128)),          # 8 tiles on 4 SMs: two full waves
     (300, 512, 4, (256, 128)),          # a partial row of tiles that needs a second wave
     (256, 640, 5, (256, 128)),          # m != n under a non-square tile: 5 tiles fill 5 SMs exactly
+    (300, 512, 5, (256, 128)),          # 8 tiles in 2 waves, where the output's area would say 5 tiles in 1
 ]
 
 
@@ -182,7 +187,8 @@ def check_step_ceilings(step_ceilings) -> dict:
     on the same profile with no idle time. Returns the first result."""
     first = None
     for label, prof in (("a step with 20 ms idle", PROFILE),
-                        ("a step with no idle time", dict(PROFILE, step_s=sum(PROFILE["times"].values())))):
+                        ("a step with no idle time", dict(PROFILE, step_s=sum(PROFILE["times"].values()))),
+                        ("a profile with an 'other' category", dict(PROFILE, times=dict(PROFILE["times"], other=0.009)))):
         case = f"step_ceilings({label})"
         got = _call(case, step_ceilings, dict(prof["times"]), prof["step_s"], prof["model_flops"], prof["peak"])
         if not isinstance(got, dict) or set(got) != {"mfu", "ceiling"}:

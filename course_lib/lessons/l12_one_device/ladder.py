@@ -2,8 +2,8 @@
 
 Each rung (`Rung`) is a training step of the course's GPT (forward, backward, AdamW step) that adds one thing to the
 rung before it (`RUNGS`, in order): fp32 eager -> bf16 autocast -> bf16 weights with fp32 masters -> padded
-vocabulary -> fused attention -> foreach/fused AdamW -> torch.compile -> larger micro-batch -> fp8 (GPUs with FP8
-tensor cores: compiled, as torchao's Float8Linear needs to fuse its casts) -> CUDA graphs. Hugging
+vocabulary -> fused attention -> foreach/fused AdamW -> torch.compile -> larger micro-batch -> fp8 (the course's
+Float8Linear, `parallel.float8`, compiled with the rest; measured only on GPUs with FP8 tensor cores) -> CUDA graphs. Hugging
 Face's GPT2LMHeadModel at the same shape and weights runs beside them (`baseline_options`). All steps are built first,
 then timed in alternating rounds (the median of every timed step), so that a noisy machine slows them alike and the
 ratios between rungs are fair.
@@ -147,7 +147,7 @@ RUNGS: tuple[Rung, ...] = (
 
 
 def insert_rung(rungs: Sequence[Rung], rung: Rung, after: str) -> tuple[Rung, ...]:
-    """``rungs`` with ``rung`` placed after the rung named ``after`` (the hook for the fp8 rung)."""
+    """``rungs`` with ``rung`` placed after the rung named ``after`` (e.g. a rung of one's own)."""
     names = [r.name for r in rungs]
     if after not in names:
         raise ValueError(f"after={after!r} names no rung: pick one of {names}")

@@ -55,7 +55,7 @@ def breakdown_table(rows: list[dict]) -> str:
 
 def fp8_speedup(rows: list[dict]) -> float | None:
     """tokens/s of the rung named 'fp8' over the measured course rung below it (its bf16 step); None while the
-    ladder has no measured fp8 rung (`ladder.insert_rung` adds it)."""
+    ladder has no measured fp8 rung (it runs only on GPUs with FP8 tensor cores)."""
     course = [r for r in rows if r["library"] == "course"]
     for below, r in zip(course, course[1:]):
         if r["rung"] == "fp8" and r["status"] == "measured" and below["status"] == "measured":
@@ -65,7 +65,7 @@ def fp8_speedup(rows: list[dict]) -> float | None:
 
 def summary_line(rows: list[dict], model: str) -> str:
     """``one device: <hardware>: <model> MFU X % (transformers baseline Y %), fp8/bf16 Z x``: the best course rung's
-    MFU, the best transformers row's, and `fp8_speedup` (``n/a`` until the fp8 rung exists)."""
+    MFU, the best transformers row's, and `fp8_speedup` (``n/a`` where the fp8 rung did not run)."""
     measured = [r for r in rows if r["status"] == "measured"]
     best = max((r["mfu"] for r in measured if r["library"] == "course"), default=float("nan"))
     base = max((r["mfu"] for r in measured if r["library"] == "transformers"), default=float("nan"))
