@@ -14,17 +14,13 @@ compile time, kernels per step), where each rung's time goes, and ends with the 
 
 from __future__ import annotations
 
-import os
+import argparse
+import time
 
-os.environ.setdefault("KINETO_LOG_LEVEL", "5")       # the profiler's start/stop chatter on stderr (set before torch)
-
-import argparse  # noqa: E402
-import time  # noqa: E402
-
-from course_lib.config import get_preset  # noqa: E402
-from course_lib.lessons.l12_one_device.ladder import default_sizes, ladder  # noqa: E402
-from course_lib.lessons.l12_one_device.report import breakdown_table, ladder_table, summary_line  # noqa: E402
-from course_lib.lessons.sizes import sizes_label  # noqa: E402
+from course_lib.config import get_preset
+from course_lib.lessons.l12_one_device.ladder import default_sizes, ladder
+from course_lib.lessons.l12_one_device.report import breakdown_table, ladder_table, summary_line
+from course_lib.lessons.sizes import sizes_label
 
 
 def main() -> None:

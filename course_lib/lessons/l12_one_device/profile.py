@@ -16,8 +16,11 @@ it by *what*.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import re
+import sys
 from typing import Callable
 
 import torch
@@ -37,6 +40,22 @@ _KINDS = (    # the first that matches names the kind; order matters ("_fused_ad
     ("elementwise", re.compile(r"^aten::|elementwise|vectorized|triton_(poi|red|per)|reduce|norm|copy|fill|index|gelu",
                                re.I)),
 )
+
+
+@contextlib.contextmanager
+def _quiet_fd2():
+    """File descriptor 2 sent to /dev/null inside the block: the profiler's C++ start/stop lines (``USDT: ...
+    profiler_start``; KINETO_LOG_LEVEL does not silence them in torch 2.14) stay out of a notebook's output. Only the
+    profiler's start and stop run inside; the profiled steps keep their stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def classify(name: str) -> str:
@@ -87,10 +106,16 @@ def profile_step(step: Callable[[], object], device: torch.device | str | None =
     gpu = device.type == "cuda"
     synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    with profile(activities=activities, profile_memory=not gpu) as prof:
+    prof = profile(activities=activities, profile_memory=not gpu)
+    with _quiet_fd2():                                   # Kineto writes "profiler_start" to file descriptor 2
+        prof.start()
+    try:
         for _ in range(steps):
             step()
         synchronize(device)
+    finally:
+        with _quiet_fd2():
+            prof.stop()
     events = [e for e in prof.events() if not e.name.startswith("[")]          # leave out [memory] and the like
     if gpu:
         work = [(e, e.self_device_time_total) for e in events if e.device_type == DeviceType.CUDA]
