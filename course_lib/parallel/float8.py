@@ -43,7 +43,7 @@ import torch.nn as nn
 from course_lib.reference import reference_for
 
 __all__ = ["E4M3", "E5M2", "EPS", "Float8Recipe", "RECIPES", "amax_to_scale", "quantize", "dequantize",
-           "round_trip_error", "fp8_matmul", "quantize_blocks", "dequantize_blocks", "blockwise_matmul",
+           "round_trip_error", "scaled_mm", "fp8_matmul", "quantize_blocks", "dequantize_blocks", "blockwise_matmul",
            "Float8Linear", "to_float8_training"]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -109,9 +109,12 @@ def round_trip_error(x: torch.Tensor, dequantized: torch.Tensor) -> float:
     return ((x32 - dequantized.float()).norm() / x32.norm().clamp(min=EPS)).item()
 
 
-def _col_major(t: torch.Tensor) -> torch.Tensor:
-    """The same matrix laid out column-major (`_scaled_mm` wants its second operand so)."""
-    return t.t().contiguous().t()
+def scaled_mm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """(a_data / a_scale) @ (b_data / b_scale) through `torch._scaled_mm`, which takes the inverse scales and its
+    second operand column-major (laid out so here)."""
+    return torch._scaled_mm(a_data.contiguous(), b_data.t().contiguous().t(), scale_a=a_scale.reciprocal(),
+                            scale_b=b_scale.reciprocal(), out_dtype=out_dtype)
 
 
 @reference_for("12-fp8-linear")
@@ -125,8 +128,7 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, recipe: Float8Recipe | str = "t
         raise ValueError(f"fp8_matmul multiplies (M, K) @ (K, N); got {tuple(a.shape)} @ {tuple(b.shape)}")
     a8, sa = quantize(a, a_dtype, axis=-1 if recipe.axiswise else None, power_of_2=recipe.power_of_2)   # (M, 1)
     b8, sb = quantize(b, b_dtype, axis=0 if recipe.axiswise else None, power_of_2=recipe.power_of_2)    # (1, N)
-    return torch._scaled_mm(a8.contiguous(), _col_major(b8), scale_a=sa.reciprocal(), scale_b=sb.reciprocal(),
-                            out_dtype=out_dtype or a.dtype)
+    return scaled_mm(a8, sa, b8, sb, out_dtype or a.dtype)
 
 
 class _Float8Matmul(torch.autograd.Function):

@@ -112,8 +112,7 @@ def fp8_mm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor,
         raise ValueError(f"fp8_mm: a ({M} x {K}) needs a scale of shape ({M}, 1), got {tuple(a_scale.shape)}; b "
                          f"({K} x {N}) needs ({1}, {N}), got {tuple(b_scale.shape)}: a scale that varies along "
                          f"K cannot be taken out of the sum")
-    return torch._scaled_mm(a_data.contiguous(), b_data.t().contiguous().t(), scale_a=a_scale.reciprocal(),
-                            scale_b=b_scale.reciprocal(), out_dtype=torch.float32)
+    return f8.scaled_mm(a_data, a_scale, b_data, b_scale, torch.float32)
 
 
 def check_fp8_linear(fp8_linear_grads) -> dict:
