@@ -12,15 +12,22 @@ Sections and what they hold (defaults in the dataclasses below):
 
 - ``[job]``: name, seed, out_dir (default ``runs/train/<name>``).
 - ``[model]``: family ('course-gpt' or 'hf-gpt2': transformers' GPT2LMHeadModel built from the same shape), preset
-  (`course_lib.config.PRESETS`, CPU-sized ones), optional shape overrides, dropout, activation_checkpointing.
+  (`course_lib.config.PRESETS`, CPU-sized ones), optional shape overrides, dropout, activation_checkpointing;
+  vocab_multiple (0: off; 128 pads the vocabulary to a multiple of 128, lesson 12: the extra rows are zero in the
+  course's GPT, randomly initialised in transformers'), compile (``torch.compile`` of the model's loss; engines 'ddp'
+  and 'fsdp2'). Both off by default: they change the numbers.
 - ``[data]``: source ('corpus': bytes of the offline text corpus, 'random'), global_batch, micro_batch (per rank),
   pad_fraction (up to this fraction of each sequence is padding: variable-length sequences), loss ('global_tokens':
   the summed loss over the global number of valid tokens, torchtitan's PR 2206; 'micro_batch_mean': each
   micro-batch's mean averaged, what weighs tokens unequally once sequences are padded).
-- ``[optimizer]``: name ('adamw', 'sgd'), lr (the peak), betas, eps, weight_decay.
+- ``[optimizer]``: name ('adamw', 'sgd'), lr (the peak), betas, eps, weight_decay; implementation ('default': torch's
+  choice, 'for-loop', 'foreach', 'fused': `parallel.fast_step.OPTIMIZER_IMPLS`, the same update in fewer kernels).
 - ``[schedule]``: name ('warmup_cosine', 'warmup_constant', 'constant'), warmup_steps, steps (total), min_lr.
 - ``[parallelism]``: engine ('ddp', 'fsdp2', 'deepspeed'), dp (-1: what is left), tp, pp.
-- ``[precision]``: dtype ('float32' or 'bfloat16' autocast).
+- ``[precision]``: dtype ('float32', or 'bfloat16': the forward and the loss under bf16 autocast; engines 'ddp' and
+  'fsdp2', DeepSpeed takes its own ``bf16`` section); weights ('float32', or 'bfloat16': bf16 parameters in the
+  forward and backward with fp32 master weights and optimizer state, FSDP2's ``MixedPrecisionPolicy(param_dtype=
+  bfloat16, reduce_dtype=float32)``, whose sharded fp32 parameters are the masters; engine 'fsdp2' only).
 - ``[clipping]``: max_norm (global gradient norm; 0 turns clipping off).
 - ``[checkpoint]``: interval (steps; 0: never), folder, async_save, keep.
 - ``[logging]``: interval, tensorboard, alerts; alert_seconds_per_step (0: the rules' durations run on the wall
@@ -104,9 +111,14 @@ class Model:
     seq_len: int | None = None
     dropout: float = 0.0
     activation_checkpointing: bool = False
+    vocab_multiple: int = 0
+    compile: bool = False
 
     def validate(self) -> None:
         _choice("model.family", self.family, ("course-gpt", "hf-gpt2"))
+        _int("model.vocab_multiple", self.vocab_multiple)
+        for name in ("activation_checkpointing", "compile"):
+            _check(isinstance(getattr(self, name), bool), f"model.{name}", f"{getattr(self, name)!r} must be true/false")
         try:
             self.config()
         except ConfigError as exc:
@@ -144,9 +156,13 @@ class Optimizer:
     betas: tuple = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    implementation: str = "default"
 
     def validate(self) -> None:
+        from course_lib.parallel.fast_step import OPTIMIZER_IMPLS
+
         _choice("optimizer.name", self.name, ("adamw", "sgd"))
+        _choice("optimizer.implementation", self.implementation, tuple(OPTIMIZER_IMPLS))
         _check(isinstance(self.lr, (int, float)) and self.lr > 0, "optimizer.lr", f"{self.lr!r} must be > 0")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optimizer.betas",
                f"{list(self.betas)!r} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
@@ -193,9 +209,11 @@ class Parallelism:
 @dataclass(frozen=True)
 class Precision:
     dtype: str = "float32"
+    weights: str = "float32"
 
     def validate(self) -> None:
         _choice("precision.dtype", self.dtype, ("float32", "bfloat16"))
+        _choice("precision.weights", self.weights, ("float32", "bfloat16"))
 
 
 @dataclass(frozen=True)
@@ -403,6 +421,17 @@ def _check_run(cfg: RunConfig) -> None:
                    f"the first checkpoint (step {c.interval}) comes after step {spike} - spikes.min_steps_back = "
                    f"{spike - s.min_steps_back}: there is no checkpoint to rewind to before the spike; use "
                    f"checkpoint.interval <= {max(spike - s.min_steps_back, 0)} or inject later")
+    engine = cfg.parallelism.engine
+    _check(cfg.precision.weights == "float32" or engine == "fsdp2", f"{where}: precision.weights",
+           f"bf16 weights with fp32 masters run under engine 'fsdp2' (MixedPrecisionPolicy), not {engine!r}: set "
+           f"parallelism.engine = 'fsdp2'" + (", or enable bf16 in the [deepspeed] JSON" if engine == "deepspeed"
+                                               else ", or keep weights = 'float32' and use dtype = 'bfloat16'"))
+    if engine == "deepspeed":
+        _check(cfg.precision.dtype == "float32", f"{where}: precision.dtype",
+               "DeepSpeed takes its precision from its own config: set bf16.enabled in the [deepspeed] JSON and "
+               "leave precision.dtype = 'float32'")
+        _check(not cfg.model.compile, f"{where}: model.compile",
+               "the script compiles under engines 'ddp' and 'fsdp2' only: set model.compile = false")
     w = cfg.watchdog
     if w.timeout_s:
         _check(w.step_seconds > 0, f"{where}: watchdog.step_seconds",

@@ -12,6 +12,12 @@ after the last micro-batch only; FSDP2 shards every block, then the model (``ful
 optimizer (SGD or AdamW) and the learning-rate schedule (`parallel.schedules`) come from the TOML config
 (`course_lib.training.config`); the global gradient norm is clipped across shards (`parallel.clipping`); checkpoints
 are `parallel.dist_checkpoint`'s (DeepSpeed's own with engine 'deepspeed').
+
+Lesson 12's switches, all off by default: ``[model] vocab_multiple`` (`model.pad_vocab`), ``[model] compile``
+(``torch.compile`` of the wrapped loss: DDP's or FSDP2's), ``[optimizer] implementation`` (for-loop / foreach /
+fused, `parallel.fast_step`), ``[precision] dtype = 'bfloat16'`` (the forward under bf16 autocast) and ``[precision]
+weights = 'bfloat16'`` (FSDP2's MixedPrecisionPolicy: bf16 parameters in compute, fp32 shards as master weights,
+gradients reduced in fp32).
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ __all__ = ["Engine", "LossOf", "deepspeed_settings"]
 
 def _build_model(cfg, device):
     """The plain model (same weights on every rank: built from the job's seed) and its loss(x, y)."""
-    from course_lib.model import build_model, hf_gpt2_config, lm_loss
+    from course_lib.model import build_model, hf_gpt2_config, lm_loss, pad_vocab
 
-    mcfg = cfg.model.config()
+    mcfg, multiple = cfg.model.config(), cfg.model.vocab_multiple
     if cfg.model.family == "course-gpt":
         model = build_model(mcfg, cfg.job.seed)
+        if multiple:                                     # the same weights, extra rows zero (lesson 12)
+            model = pad_vocab(model, multiple)
         if cfg.model.activation_checkpointing:
             from course_lib.parallel.checkpointing import apply_activation_checkpointing
             apply_activation_checkpointing(model)
@@ -40,7 +48,7 @@ def _build_model(cfg, device):
         from transformers import GPT2LMHeadModel
 
         torch.manual_seed(cfg.job.seed)
-        model = GPT2LMHeadModel(hf_gpt2_config(mcfg))
+        model = GPT2LMHeadModel(hf_gpt2_config(mcfg.padded_vocab(multiple) if multiple else mcfg))
         if cfg.model.activation_checkpointing:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         model.loss = lambda x, y: lm_loss(model(x).logits, y)
@@ -49,10 +57,13 @@ def _build_model(cfg, device):
 
 
 def _optimizer(cfg, params):
+    from course_lib.parallel.fast_step import optimizer_impl
+
     o = cfg.optimizer
+    impl = optimizer_impl(o.implementation)              # {} (torch's choice), foreach= or fused=
     if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
-    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        return torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay, **impl)
+    return torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, **impl)
 
 
 def _scheduler(cfg, optimizer):
@@ -98,6 +109,7 @@ class Engine:
         self.model, self.ds_engine, self.scheduler = model, None, None
         self.accum, self.dp = layout["accum"], layout["dp"]
         self.summed = cfg.data.loss == "global_tokens"
+        self.autocast = cfg.precision.dtype == "bfloat16"
         if self.kind == "deepspeed":
             self._init_deepspeed(model, layout)
             return
@@ -106,16 +118,20 @@ class Engine:
                 if dist.get_world_size() > 1 else LossOf(model, self.summed)
         else:
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mesh = init_device_mesh(device.type, (layout["dp"],))
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+                if cfg.precision.weights == "bfloat16" else MixedPrecisionPolicy()    # fp32 shards = the masters
             for block in blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(block, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
             self.net = LossOf(model, self.summed)
         self.optimizer = _optimizer(cfg, model.parameters())
         self.scheduler = _scheduler(cfg, self.optimizer)
         self._no_sync = getattr(self.net, "no_sync", None)
+        if cfg.model.compile:                           # DDP's buckets split the graph (torch's DDPOptimizer)
+            self.net = torch.compile(self.net, dynamic=False)
 
     def _init_deepspeed(self, model, layout: dict) -> None:
         from course_lib.parallel.deepspeed_config import import_deepspeed
@@ -145,7 +161,8 @@ class Engine:
             return loss
         quiet = self._no_sync is not None and not last_micro
         with self._no_sync() if quiet else contextlib.nullcontext():
-            loss = self.net(x, y)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+                loss = self.net(x, y)                    # the loss itself in fp32 (autocast's cross_entropy rule)
             scaled(loss).backward()
         return loss
 
@@ -168,6 +185,29 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return float(norm)
+
+    def describe(self, x) -> dict:
+        """What this engine built, read from the objects, not from the config (result.json's ``built``): the
+        vocabulary rows of the LM head's input embedding, the optimizer's implementation flags, whether the step is
+        compiled, autocast, and the dtype of the first matmul's weight during a forward of ``x`` (FSDP2's
+        param_dtype, else the stored dtype). The forward is collective under FSDP2: every rank calls this."""
+        if self.ds_engine is not None:
+            return {"engine": "deepspeed"}
+        seen = []
+        first = next(m for m in self.model.modules() if type(m).__name__ in ("Linear", "Conv1D"))
+        hook = first.register_forward_pre_hook(lambda mod, args: seen.append(str(mod.weight.dtype)))
+        try:
+            with torch.no_grad():
+                self.model(x)
+        finally:
+            hook.remove()
+        defaults = self.optimizer.defaults
+        impl = "fused" if defaults.get("fused") else {True: "foreach", False: "for-loop"}.get(defaults.get("foreach"),
+                                                                                             "default")
+        return {"vocab_rows": int(self.model.get_input_embeddings().weight.shape[0])
+                if hasattr(self.model, "get_input_embeddings") else int(self.model.tok_emb.weight.shape[0]),
+                "optimizer": impl, "compiled": hasattr(self.net, "_orig_mod"),          # torch.compile's OptimizedModule
+                "autocast": self.autocast, "forward_weight_dtype": seen[0].replace("torch.", "")}
 
     def lr(self) -> float:
         """The learning rate the next optimizer step uses."""

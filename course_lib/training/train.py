@@ -224,11 +224,13 @@ def train(cfg, layout: dict) -> dict:
         bar.close()
     if rank == 0:
         record.update(config=cfg.to_dict(), world_size=world, layout=layout, restarts=restart_count(),
-                      final_params=_params_digest(engine), eval_loss=_eval_loss(cfg, engine, loader.tokens, device))
+                      final_params=_params_digest(engine), eval_loss=_eval_loss(cfg, engine, loader.tokens, device),
+                      built=engine.describe(_probe(mcfg, device)))
         (out / "result.json").write_text(json.dumps(record, indent=1))
     else:
         _params_digest(engine)                          # a collective under FSDP2: every rank takes part
         _eval_loss(cfg, engine, loader.tokens, device)
+        engine.describe(_probe(mcfg, device))
     return record
 
 
@@ -252,6 +254,11 @@ def _eval_loss(cfg, engine, tokens, device) -> float | None:
             out = engine.model(x)
             total += float(lm_loss(getattr(out, "logits", out), y))
     return total / EVAL_BATCHES
+
+
+def _probe(mcfg, device):
+    """One sequence of token 0 (1, T): the forward `Engine.describe` watches."""
+    return torch.zeros(1, mcfg.seq_len, dtype=torch.long, device=device)
 
 
 def _new_record() -> dict:

@@ -23,7 +23,8 @@ from course_lib.data import random_batches
 from course_lib.dist import pick_backend
 from course_lib.runtime.launch import run
 from course_lib.measure.speed import interval_union, intervals_length
-from course_lib.model import build_model
+from course_lib.model import build_model, pad_vocab
+from course_lib.parallel.fast_step import best_switches, optimizer_impl
 from course_lib.theory import comm, flops
 
 KB, MB = 1024, 1024 ** 2
@@ -357,19 +358,32 @@ def _train_setup(cfg, batch_size: int, device, seed: int = 0):
     return model, opt, x.to(device), y.to(device)
 
 
-def train_step_mfu(cfg, batch_size: int, device=None, warmup: int = 2, repeats: int = 5) -> dict:
+def train_step_mfu(cfg, batch_size: int, device=None, warmup: int = 2, repeats: int = 5, fast: bool = False,
+                   switches: dict | None = None) -> dict:
     """Time one Adam training step of ``course_lib.model.GPT(cfg)`` and compute its MFU.
-    Model FLOPs per step come from the formula (``theory.flops.step_flops``: 6N + attention), the peak from
-    :func:`course_lib.measure.speed.peak_flops` (datasheet bf16 on known GPUs, measured fp32 matmul on a CPU).
-    On a GPU the step runs under bf16 autocast, to be comparable with the bf16 peak.
+    Model FLOPs per step come from the formula (``theory.flops.step_flops``: 6N + attention, of the unpadded model),
+    the peak from :func:`course_lib.measure.speed.peak_flops` (datasheet bf16 on known GPUs, measured fp32 matmul on
+    a CPU). ``fast=False``: the plain step, fp32 on a CPU and bf16 autocast on a GPU (to be comparable with the bf16
+    peak). ``fast=True``: the switches of lesson 12's ladder that pay (``switches``, default
+    `parallel.fast_step.best_switches`: bf16 autocast, the vocabulary padded to a multiple of 128, fused Adam,
+    torch.compile), the warm-up steps compiling. ``switches`` in the result says what ran.
     """
     device = _device(device)
     model, opt, x, y = _train_setup(cfg, batch_size, device)
-    use_bf16 = device.type == "cuda"
+    if fast:
+        on = dict(best_switches(device) if switches is None else switches)
+        if on.get("vocab_multiple"):
+            model = pad_vocab(model, on["vocab_multiple"])
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, **optimizer_impl(on.get("optimizer", "default")))
+        if on.get("compile"):
+            warmup = max(warmup, 2)                                       # the first compiled steps compile
+    else:
+        on = dict(autocast=device.type == "cuda", vocab_multiple=None, optimizer="default", compile=False)
+    loss_of = torch.compile(model.loss, dynamic=False) if on.get("compile") else model.loss
 
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-            loss = model.loss(x, y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bool(on.get("autocast"))):
+            loss = loss_of(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -380,7 +394,8 @@ def train_step_mfu(cfg, batch_size: int, device=None, warmup: int = 2, repeats: 
     return dict(seconds=seconds, tokens=batch_size * cfg.seq_len,
                 tokens_per_s=speed.tokens_per_s(batch_size * cfg.seq_len, seconds),
                 step_flops=step_flops, flop_s=step_flops / seconds, peak=peak, peak_source=source,
-                mfu=speed.mfu(step_flops / seconds, peak), hardware=hardware.hardware_label(device=device))
+                mfu=speed.mfu(step_flops / seconds, peak), hardware=hardware.hardware_label(device=device),
+                switches=on)
 
 
 def training_memory(cfg, batch_size: int, device=None) -> dict:

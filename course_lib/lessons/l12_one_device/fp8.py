@@ -13,10 +13,29 @@ from course_lib.measure import hardware, speed
 from course_lib.model import build_model
 from course_lib.parallel import float8 as f8
 
-__all__ = ["fp8_gemm_available", "keep_head", "float8_linears", "outlier_activations", "round_trip_by_granularity",
+__all__ = ["import_torchao_float8", "fp8_gemm_available", "keep_head", "float8_linears", "outlier_activations", "round_trip_by_granularity",
            "outlier_sweep", "loss_curves",
            "matmul_speed"]
 
+
+def import_torchao_float8():
+    """``torchao.float8`` (the library twin of `parallel.float8`), imported with one known log line kept out of the
+    lesson's output: torchao 0.18 registers an Enum with torch's pytree, which torch 2.14 logs as deprecated
+    (``torch.utils._pytree``: "Calling register_constant() on Enum subclasses is deprecated"): a note for torchao's
+    maintainers, not for the learner. Other messages of that logger still show."""
+    import logging
+
+    class _NoEnumNote(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "register_constant()" not in record.getMessage()
+
+    log, quiet = logging.getLogger("torch.utils._pytree"), _NoEnumNote()
+    log.addFilter(quiet)
+    try:
+        import torchao.float8 as ao
+    finally:
+        log.removeFilter(quiet)
+    return ao
 
 
 def keep_head(module, fqn: str) -> bool:

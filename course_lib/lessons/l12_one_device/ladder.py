@@ -24,7 +24,6 @@ transform goes in ``StepOptions.transforms``, as the fp8 rung's does) and whose 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import statistics
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -38,9 +37,10 @@ from course_lib.lessons.l12_one_device.profile import profile_step
 from course_lib.lessons.l12_one_device.steps import StepOptions, build_step, compute_dtype
 from course_lib.lessons.sizes import by_device
 from course_lib.measure import hardware, speed
+from course_lib.parallel.fast_step import compile_support, fused_optimizer_support
 from course_lib.theory.flops import step_flops
 
-__all__ = ["Rung", "LadderSetup", "RUNGS", "insert_rung", "bf16_support", "fused_adamw_support", "compile_support",
+__all__ = ["Rung", "LadderSetup", "RUNGS", "insert_rung", "bf16_support", "fused_optimizer_support", "compile_support",
            "cuda_graphs_support", "baseline_options", "TWIN", "device_peak", "ladder", "default_sizes", "CPU_CONFIG"]
 
 
@@ -82,35 +82,6 @@ def bf16_support(device: torch.device) -> tuple[bool, str]:
     return True, f"FLAGGED: no AVX512-BF16/AMX on this CPU ({f['isa']}): bf16 converted to fp32 and back, expect slower"
 
 
-def fused_adamw_support(device: torch.device) -> tuple[bool, str]:
-    """Whether ``torch.optim.AdamW(fused=True)`` steps on this device (tried on a one-element parameter)."""
-    try:
-        p = torch.zeros(1, device=device, requires_grad=True)
-        p.grad = torch.ones_like(p)
-        torch.optim.AdamW([p], fused=True).step()
-        return True, "fused=True (one kernel for the whole update)"
-    except (RuntimeError, ValueError) as e:
-        return False, f"fused AdamW refused here ({str(e).splitlines()[0][:80]}): foreach=True instead"
-
-
-def compile_support(device: torch.device) -> tuple[bool, str]:
-    """Whether inductor can generate code here: a C++ compiler on a CPU, Triton on a GPU."""
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return False, "torch.compile on a GPU needs Triton (pip install triton)"
-        return True, ""
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-        cxx = get_cpp_compiler()
-    except Exception as e:  # noqa: BLE001 - inductor says why it has no compiler
-        return False, f"no C++ compiler for inductor's CPU kernels ({str(e).splitlines()[0][:80]})"
-    if shutil.which(cxx) is None:
-        return False, f"no C++ compiler for inductor's CPU kernels ({cxx} not found)"
-    return True, f"inductor C++ kernels ({cxx})"
-
-
 def cuda_graphs_support(device: torch.device) -> tuple[bool, str]:
     """CUDA graphs replay recorded GPU work: a GPU only."""
     if device.type != "cuda":
@@ -119,7 +90,7 @@ def cuda_graphs_support(device: torch.device) -> tuple[bool, str]:
 
 
 def _optimizer(opts: StepOptions, setup: LadderSetup) -> StepOptions:
-    return dataclasses.replace(opts, optimizer="fused" if fused_adamw_support(setup.device)[0] else "foreach")
+    return dataclasses.replace(opts, optimizer="fused" if fused_optimizer_support(setup.device)[0] else "foreach")
 
 
 RUNGS: tuple[Rung, ...] = (
@@ -133,7 +104,7 @@ RUNGS: tuple[Rung, ...] = (
     Rung("fused attention (SDPA)", lambda o, s: dataclasses.replace(o, attention="sdpa"),
          "F.scaled_dot_product_attention instead of the written-out softmax"),
     Rung("foreach/fused AdamW", _optimizer, "AdamW over all tensors at once",
-         lambda device: (True, fused_adamw_support(device)[1])),            # falls back to foreach: always runs
+         lambda device: (True, fused_optimizer_support(device)[1])),            # falls back to foreach: always runs
     Rung("torch.compile", lambda o, s: dataclasses.replace(o, compile="default"),
          "forward + loss compiled by inductor (compile time reported apart)", compile_support),
     Rung("larger micro-batch", lambda o, s: dataclasses.replace(o, micro_batch=s.max_micro_batch),
@@ -162,7 +133,7 @@ def baseline_options(opts: StepOptions, device: torch.device, compile_baseline: 
     """The transformers rows: GPT2LMHeadModel with SDPA attention, fp32 weights under the same autocast as the
     ladder (Hugging Face Trainer's ``bf16=True`` recipe), fused AdamW where supported, the ladder's micro-batch;
     and the same compiled (``compile_baseline``)."""
-    fused = fused_adamw_support(device)[0]
+    fused = fused_optimizer_support(device)[0]
     base = StepOptions(autocast=opts.autocast or opts.bf16_weights, attention="sdpa",
                        optimizer="fused" if fused else "foreach", micro_batch=opts.micro_batch, library="transformers")
     out = [("transformers (SDPA, fused AdamW)" if fused else "transformers (SDPA, foreach AdamW)", base)]

@@ -29,12 +29,12 @@ from course_lib.config import ModelConfig
 from course_lib.measure.memory_stats import unique_bytes
 from course_lib.measure.speed import synchronize
 from course_lib.model import build_model, lm_loss, pad_vocab, set_attention, to_hf_gpt2
+from course_lib.parallel.fast_step import optimizer_impl
 from course_lib.parallel.precision import MasterWeightOptimizer
 
 __all__ = ["StepOptions", "BuiltStep", "build_step", "compute_dtype", "ADAMW"]
 
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)     # the same update on every rung
-_OPTIMIZERS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class StepOptions:
 
     def __post_init__(self) -> None:
         for name, value, choices in (("attention", self.attention, ("naive", "sdpa")),
-                                     ("optimizer", self.optimizer, tuple(_OPTIMIZERS)),
+                                     ("optimizer", self.optimizer, ("for-loop", "foreach", "fused")),
                                      ("compile", self.compile, (None, "default", "reduce-overhead")),
                                      ("library", self.library, ("course", "transformers"))):
             if value not in choices:
@@ -121,7 +121,7 @@ def build_step(cfg: ModelConfig, opts: StepOptions, x: torch.Tensor, y: torch.Te
     the step on the batch ``x, y`` (B, T) (already cut to the micro-batch), and run the step once."""
     device = torch.device(device or "cpu")
     model, loss_of = _model(cfg, opts, device, seed)
-    kw = dict(ADAMW, **_OPTIMIZERS[opts.optimizer])
+    kw = dict(ADAMW, **optimizer_impl(opts.optimizer))
     if opts.bf16_weights:
         optimizer = MasterWeightOptimizer(model, torch.optim.AdamW, **kw)
     else:
