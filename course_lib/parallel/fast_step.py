@@ -20,10 +20,11 @@ import torch
 
 __all__ = ["OPTIMIZER_IMPLS", "optimizer_impl", "fused_optimizer_support", "compile_support", "best_switches"]
 
-# torch.optim's three implementations of one update (same arithmetic; they differ in kernels launched per step):
-# 'for-loop' one kernel per parameter and operation, 'foreach' one per operation over a list of tensors, 'fused' one
-# kernel for the whole update; 'default' leaves the choice to torch (foreach when every tensor is on a GPU, else the
-# for-loop: torch.optim.optimizer._default_to_fused_or_foreach in torch 2.14).
+# torch.optim's three implementations of one update (the same formula; fused computes it in another order, so its
+# results may differ in the last bits): 'for-loop' one kernel per parameter and operation, 'foreach' one per operation
+# over a list of tensors, 'fused' the whole update in one operator call (on a GPU, one launch per group of tensors:
+# multi_tensor_apply); 'default' leaves the choice to torch (foreach when every tensor is on a GPU, else the for-loop:
+# torch.optim.optimizer._default_to_fused_or_foreach in torch 2.14).
 OPTIMIZER_IMPLS = {"default": {}, "for-loop": dict(foreach=False), "foreach": dict(foreach=True),
                    "fused": dict(fused=True)}
 
@@ -42,7 +43,7 @@ def fused_optimizer_support(device: torch.device) -> tuple[bool, str]:
         p = torch.zeros(1, device=device, requires_grad=True)
         p.grad = torch.ones_like(p)
         torch.optim.AdamW([p], fused=True).step()
-        return True, "fused=True (one kernel for the whole update)"
+        return True, "fused=True (the whole update in one operator call)"
     except (RuntimeError, ValueError) as e:
         return False, f"fused AdamW refused here ({str(e).splitlines()[0][:80]}): foreach=True instead"
 
@@ -66,11 +67,12 @@ def compile_support(device: torch.device) -> tuple[bool, str]:
 
 
 def best_switches(device: torch.device) -> dict:
-    """The rungs of lesson 12's ladder that paid on this kind of device, for a step that wants the best the course
-    knows (lesson 01's GPU step): bf16 autocast, the vocabulary padded to a multiple of 128, fused AdamW (foreach
-    where fused is refused) and torch.compile (where inductor can generate code). On a GPU that is every rung short
-    of fp8 and CUDA graphs (the model and batch stay the caller's); a CPU gets the same list, and the caller decides
-    whether to use it (lesson 01 keeps its CPU step plain fp32 eager: what it teaches is measured there)."""
+    """The switches of lesson 12's ladder that lesson 01's GPU step turns on together: bf16 autocast, the vocabulary
+    padded to a multiple of 128, fused AdamW (foreach where fused is refused) and torch.compile (where inductor can
+    generate code). That is every rung short of bf16 weights with fp32 masters, fp8 and CUDA graphs (SDPA is the
+    model's default; the micro-batch stays the caller's). Whether each pays on a given GPU is what the ladder
+    measures (no GPU has run it yet: docs/GPU_RUNS.md); lesson 01 prints the plain and the switched step side by
+    side. A CPU gets the same list; lesson 01 keeps its CPU step plain fp32 eager."""
     device = torch.device(device)
     return dict(autocast=True, vocab_multiple=128,
                 optimizer="fused" if fused_optimizer_support(device)[0] else "foreach",

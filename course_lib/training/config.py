@@ -13,8 +13,9 @@ Sections and what they hold (defaults in the dataclasses below):
 - ``[job]``: name, seed, out_dir (default ``runs/train/<name>``).
 - ``[model]``: family ('course-gpt' or 'hf-gpt2': transformers' GPT2LMHeadModel built from the same shape), preset
   (`course_lib.config.PRESETS`, CPU-sized ones), optional shape overrides, dropout, activation_checkpointing;
-  vocab_multiple (0: off; 128 pads the vocabulary to a multiple of 128, lesson 12: the extra rows are zero in the
-  course's GPT, randomly initialised in transformers'), compile (``torch.compile`` of the model's loss; engines 'ddp'
+  vocab_multiple (0: off; 128 pads the vocabulary to a multiple of 128, lesson 12: the course's GPT keeps its weights
+  and gets zero rows; transformers' model is built at the padded shape, so all its weights differ from the unpadded
+  model's of the same seed), compile (``torch.compile`` of the model's loss; engines 'ddp'
   and 'fsdp2'). Both off by default: they change the numbers.
 - ``[data]``: source ('corpus': bytes of the offline text corpus, 'random'), global_batch, micro_batch (per rank),
   pad_fraction (up to this fraction of each sequence is padding: variable-length sequences), loss ('global_tokens':

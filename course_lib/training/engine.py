@@ -188,7 +188,7 @@ class Engine:
 
     def describe(self, x) -> dict:
         """What this engine built, read from the objects, not from the config (result.json's ``built``): the
-        vocabulary rows of the LM head's input embedding, the optimizer's implementation flags, whether the step is
+        vocabulary rows of the input embedding (padding pads the LM head alike), the optimizer's implementation flags, whether the step is
         compiled, autocast, and the dtype of the first matmul's weight during a forward of ``x`` (FSDP2's
         param_dtype, else the stored dtype). The forward is collective under FSDP2: every rank calls this."""
         if self.ds_engine is not None:

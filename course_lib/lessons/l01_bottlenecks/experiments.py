@@ -364,7 +364,7 @@ def train_step_mfu(cfg, batch_size: int, device=None, warmup: int = 2, repeats: 
     Model FLOPs per step come from the formula (``theory.flops.step_flops``: 6N + attention, of the unpadded model),
     the peak from :func:`course_lib.measure.speed.peak_flops` (datasheet bf16 on known GPUs, measured fp32 matmul on
     a CPU). ``fast=False``: the plain step, fp32 on a CPU and bf16 autocast on a GPU (to be comparable with the bf16
-    peak). ``fast=True``: the switches of lesson 12's ladder that pay (``switches``, default
+    peak). ``fast=True``: switches of lesson 12's ladder turned on together (``switches``, default
     `parallel.fast_step.best_switches`: bf16 autocast, the vocabulary padded to a multiple of 128, fused Adam,
     torch.compile), the warm-up steps compiling. ``switches`` in the result says what ran.
     """

@@ -15,6 +15,8 @@ one-line message naming the case.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from course_lib.grading.check import CheckFailed, check_close, check_equal, check_true
@@ -131,7 +133,15 @@ def check_fp8_linear(fp8_linear_grads) -> dict:
     x, w, dy = torch.randn(T, n_in, generator=g), torch.randn(n_out, n_in, generator=g), torch.randn(T, n_out, generator=g)
     x[2, 3], w[5, 1], dy[7, 9] = 40.0, -9.0, 25.0                  # outliers: each axis's scales differ
     case = f"fp8_linear_grads(x {T}x{n_in}, weight {n_out}x{n_in}, dy {T}x{n_out})"
-    got = _call(case, fp8_linear_grads, x.clone(), w.clone(), dy.clone(), quantize_along, fp8_mm)
+    returned = []                                                # every product fp8_mm computed in the call
+
+    @functools.wraps(fp8_mm)
+    def recorded_mm(*args):
+        out = fp8_mm(*args)
+        returned.append(out)
+        return out
+
+    got = _call(case, fp8_linear_grads, x.clone(), w.clone(), dy.clone(), quantize_along, recorded_mm)
     if not isinstance(got, (tuple, list)) or len(got) != 3:
         raise CheckFailed(case, f"returned {type(got).__name__}, expected a tuple (y, dx, dw)")
     r = EXERCISE_RECIPE
@@ -146,8 +156,19 @@ def check_fp8_linear(fp8_linear_grads) -> dict:
                     hint=f"{name} has the shape of the tensor it is the gradient of (or the output)")
         check_close(f"{case}: {name} (each operand cast to e4m3 with scales constant along the summed axis)",
                     value.float(), want[name], rtol=1e-5, atol=1e-4, hint=hints[name])
+        check_true(f"{case}: {name} is a product that fp8_mm returned (or its transpose)",
+                   any(_same_product(value, out) for out in returned),
+                   hint="compute each of the three products with fp8_mm on operands from quantize, not with @ or "
+                        "torch.matmul on dequantized copies")
         errors[name] = f8.round_trip_error(exact[name], value)
     return errors
+
+
+def _same_product(value: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``value`` is ``out`` or its transpose: the same storage (a view) or equal element for element."""
+    if value.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+        return True
+    return any(tuple(value.shape) == tuple(o.shape) and torch.equal(value.float(), o.float()) for o in (out, out.t()))
 
 
 # ------------------------------------------------------------------------------ 12-tile-waves

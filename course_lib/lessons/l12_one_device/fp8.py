@@ -4,6 +4,7 @@ when an FP8 GEMM is fast (only on tensor cores that have it). The technique: `co
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 
@@ -13,28 +14,35 @@ from course_lib.measure import hardware, speed
 from course_lib.model import build_model
 from course_lib.parallel import float8 as f8
 
-__all__ = ["import_torchao_float8", "fp8_gemm_available", "keep_head", "float8_linears", "outlier_activations", "round_trip_by_granularity",
+__all__ = ["hide_pytree_enum_notes", "import_torchao_float8", "fp8_gemm_available", "keep_head", "float8_linears", "outlier_activations", "round_trip_by_granularity",
            "outlier_sweep", "loss_curves",
            "matmul_speed"]
 
 
+class _EnumNote(logging.Filter):
+    """Drops torch 2.14's note that registering an Enum with its pytree is deprecated; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "register_constant() on Enum subclasses is deprecated" not in record.getMessage()
+
+
+_ENUM_NOTE = _EnumNote()
+
+
+def hide_pytree_enum_notes() -> None:
+    """Keep two log lines out of the lesson's output from now on: torchao 0.18 registers two Enums
+    (``KernelPreference``, ``ScaleCalculationMode``) with torch's pytree when it is imported (transformers imports it
+    too), and torch 2.14 logs each as deprecated (``torch.utils._pytree``: "Calling register_constant() on Enum
+    subclasses is deprecated"): notes for torchao's maintainers, not for the learner. Other records of that logger
+    still show. Call it before transformers or torchao is first imported; calling it again changes nothing."""
+    logging.getLogger("torch.utils._pytree").addFilter(_ENUM_NOTE)
+
+
 def import_torchao_float8():
-    """``torchao.float8`` (the library twin of `parallel.float8`), imported with one known log line kept out of the
-    lesson's output: torchao 0.18 registers an Enum with torch's pytree, which torch 2.14 logs as deprecated
-    (``torch.utils._pytree``: "Calling register_constant() on Enum subclasses is deprecated"): a note for torchao's
-    maintainers, not for the learner. Other messages of that logger still show."""
-    import logging
+    """``torchao.float8``, the library twin of `parallel.float8`, with `hide_pytree_enum_notes` in force."""
+    hide_pytree_enum_notes()
+    import torchao.float8 as ao
 
-    class _NoEnumNote(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return "register_constant()" not in record.getMessage()
-
-    log, quiet = logging.getLogger("torch.utils._pytree"), _NoEnumNote()
-    log.addFilter(quiet)
-    try:
-        import torchao.float8 as ao
-    finally:
-        log.removeFilter(quiet)
     return ao
 
 

@@ -8,9 +8,13 @@ inductor, with the ATen operators of the eager forward + backward beside the ker
     print(excerpt(k["generated"][name]))
 
 The generated code is read with ``torch._inductor.utils.run_and_get_code`` (torch 2.14): it returns the Python
-module inductor wrote for every graph compiled while the function ran (here the forward's and the backward's). A
-kernel's name lists the operators fused into it (``cpp_fused_add_native_layer_norm_1``: the residual add and the next
-layer norm in one pass over memory).
+module inductor wrote for every graph compiled while the function ran (here the forward's and the backward's); it
+also resets torch.compile's caches of the process first (``torch._dynamo.reset()``), so a function compiled earlier
+compiles again on its next call. A kernel's name lists, alphabetically, the ATen operators its code came from, views
+included (``torch._inductor.utils.get_fused_kernel_name``): ``cpp_fused_add_native_layer_norm_view_1`` is the
+residual add and the next layer norm in one kernel, whose loops recompute the sum instead of storing it and reading
+it back; a name that holds a library operator (``..._flash_attention_for_cpu_backward_transpose_view_0``) is a copy
+into the layout that library call wants.
 """
 
 from __future__ import annotations
@@ -62,25 +66,27 @@ def eager_ops(fn) -> list[str]:
 def read_generated(sources: list[str]) -> tuple[dict[str, str], list[str]]:
     """({kernel name: source}, [library calls in launch order]) from the modules inductor wrote."""
     kernels, library = {}, []
-    for src in sources:
-        kernels.update({name: code.strip("\n") for name, _, code in _KERNEL.findall(src)})
+    for graph, src in enumerate(sources):
+        for name, _, code in _KERNEL.findall(src):       # each graph numbers its kernels from 0: keep both
+            kernels[name if name not in kernels else f"{name} (graph {graph})"] = code.strip("\n")
         body = src[src.find("def call("):] if "def call(" in src else ""
         library += [m.replace("extern_kernels.", "").replace("torch.ops.aten.", "") for m in _LIBRARY.findall(body)]
     return kernels, library
 
 
 def block_kernels(cfg: ModelConfig, batch: int = 2, device=None, seed: int = 0) -> dict:
-    """One block of ``GPT(cfg)`` (``cfg.seq_len`` tokens, ``batch`` sequences), forward + backward of the sum of its
-    output: the eager operators (``eager``: those that touch memory; ``eager_all`` with views) and what inductor
-    generated (``generated``, ``library``, ``compile_s``: the first compiled call, compilation included)."""
+    """One block of ``GPT(cfg)`` (``cfg.seq_len`` tokens, ``batch`` sequences), forward + backward from a given
+    output gradient: the eager operators (``eager``: those that touch memory; ``eager_all`` with views) and what
+    inductor generated (``generated``, ``library``, ``compile_s``: the first compiled call, compilation included)."""
     from torch._inductor.utils import run_and_get_code
 
     device = torch.device(device or "cpu")
     block = build_model(cfg.replace(n_layer=1), seed).blocks[0].to(device)
     x = torch.randn(batch, cfg.seq_len, cfg.d_model, device=device, requires_grad=True)
+    dy = torch.randn(batch, cfg.seq_len, cfg.d_model, device=device)      # no loss: only the block's own operators
 
     def step(module):
-        module(x).sum().backward()
+        module(x).backward(dy)
 
     ops = eager_ops(lambda: step(block))
     compiled = torch.compile(block, dynamic=False)
