@@ -48,7 +48,8 @@ def test_defaults_change_nothing():
 
 
 def _run(tmp_path, name: str, config: str = TINY, **overrides) -> dict:
-    sets = {"job.name": name, "job.out_dir": str(tmp_path / name), "schedule.steps": 4, "schedule.warmup_steps": 2, "checkpoint.interval": 0,
+    sets = {"job.name": name, "job.out_dir": str(tmp_path / name), "schedule.steps": 4, "schedule.warmup_steps": 2,
+            "checkpoint.interval": 0,
             "logging.alerts": False, **overrides}
     return command.launch(config, 2, sets, stream=False, timeout_s=300)[1]
 

@@ -22,6 +22,14 @@
     schedules.py           learning-rate warm-up, cosine decay, layer-wise rates             lesson 09
     clipping.py            global gradient-norm clipping across replicas and shards          lesson 09
     dist_checkpoint.py     distributed checkpoints (DCP, DeepSpeed): bit-exact resume        lesson 09
+    deepspeed_config.py    DeepSpeed configs in the syllabus's style, imported for this machine lessons 05-07, 09
+    block_attention.py     blockwise attention with the online softmax, one process          lesson 10
+    context_attention.py   attention over a sequence split across cp ranks: ring, all-gather, Ulysses  lesson 10
+    context.py             context parallelism applied to a plain GPT                        lesson 10
+    moe.py                 a mixture-of-experts layer in one process: router, dispatch, combine lesson 11
+    experts.py             expert parallelism: experts sharded over ep ranks, all-to-all     lesson 11
+    float8.py              FP8 from scratch: scales, saturating casts, a linear in FP8        lesson 12
+    fast_step.py           one device at full speed: optimizer implementations, compile, switches lessons 01, 12
 
 May import: the core (``course_lib``'s root modules), `course_lib.measure` (counters, timers, hardware facts),
 `course_lib.theory` and itself; never the launcher, the training script, grading or the lessons (tests/test_layout.py):

@@ -5,7 +5,7 @@ place for lesson 12 (which measures each), the training script (``[model] vocab_
     opt = torch.optim.AdamW(params, lr=3e-4, **optimizer_impl("fused"))   # 'default' | 'for-loop' | 'foreach' | 'fused'
     ok, why = fused_optimizer_support(device)      # fused=True steps here? (tried on one element)
     ok, why = compile_support(device)              # can inductor generate code here? (a C++ compiler / Triton)
-    switches = best_switches(device)               # {'autocast': .., 'vocab_multiple': 128, 'optimizer': .., 'compile': ..}
+    switches = best_switches(device)               # {'autocast', 'vocab_multiple': 128, 'optimizer', 'compile'}
 
 The padded vocabulary itself is `course_lib.model.pad_vocab` (extra rows zero) and `ModelConfig.padded_vocab`; bf16
 weights with fp32 master state are `parallel.precision.MasterWeightOptimizer` (lesson 06) or, sharded, FSDP2's

@@ -119,7 +119,8 @@ class Model:
         _choice("model.family", self.family, ("course-gpt", "hf-gpt2"))
         _int("model.vocab_multiple", self.vocab_multiple)
         for name in ("activation_checkpointing", "compile"):
-            _check(isinstance(getattr(self, name), bool), f"model.{name}", f"{getattr(self, name)!r} must be true/false")
+            value = getattr(self, name)
+            _check(isinstance(value, bool), f"model.{name}", f"{value!r} must be true/false")
         try:
             self.config()
         except ConfigError as exc:

@@ -188,9 +188,10 @@ class Engine:
 
     def describe(self, x) -> dict:
         """What this engine built, read from the objects, not from the config (result.json's ``built``): the
-        vocabulary rows of the input embedding (padding pads the LM head alike), the optimizer's implementation flags, whether the step is
-        compiled, autocast, and the dtype of the first matmul's weight during a forward of ``x`` (FSDP2's
-        param_dtype, else the stored dtype). The forward is collective under FSDP2: every rank calls this."""
+        vocabulary rows of the input embedding (padding pads the LM head alike), the optimizer's implementation
+        flags, whether the step is compiled, autocast, and the dtype of the first matmul's weight during a forward
+        of ``x`` (FSDP2's param_dtype, else the stored dtype). The forward is collective under FSDP2: every rank
+        calls this."""
         if self.ds_engine is not None:
             return {"engine": "deepspeed"}
         seen = []
@@ -206,7 +207,7 @@ class Engine:
                                                                                              "default")
         return {"vocab_rows": int(self.model.get_input_embeddings().weight.shape[0])
                 if hasattr(self.model, "get_input_embeddings") else int(self.model.tok_emb.weight.shape[0]),
-                "optimizer": impl, "compiled": hasattr(self.net, "_orig_mod"),          # torch.compile's OptimizedModule
+                "optimizer": impl, "compiled": hasattr(self.net, "_orig_mod"),     # torch.compile's OptimizedModule
                 "autocast": self.autocast, "forward_weight_dtype": seen[0].replace("torch.", "")}
 
     def lr(self) -> float:

@@ -14,7 +14,8 @@ from course_lib.measure import hardware, speed
 from course_lib.model import build_model
 from course_lib.parallel import float8 as f8
 
-__all__ = ["hide_pytree_enum_notes", "import_torchao_float8", "fp8_gemm_available", "keep_head", "float8_linears", "outlier_activations", "round_trip_by_granularity",
+__all__ = ["hide_pytree_enum_notes", "import_torchao_float8", "fp8_gemm_available", "keep_head", "float8_linears",
+           "outlier_activations", "round_trip_by_granularity",
            "outlier_sweep", "loss_curves",
            "matmul_speed"]
 
