@@ -33,6 +33,7 @@ def test_each_implementation_builds_the_optimizer_it_names_and_the_same_update(n
             opt.step()
         opts.append(opt)
     assert (opts[1].defaults["foreach"], opts[1].defaults["fused"]) == flags
+    assert fast_step.implementation_of(opts[1]) == name                # read back: the inverse of optimizer_impl
     torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-7)      # the same AdamW, in other kernels
 
 

@@ -18,7 +18,7 @@ import shutil
 
 import torch
 
-__all__ = ["OPTIMIZER_IMPLS", "optimizer_impl", "fused_optimizer_support", "compile_support", "best_switches"]
+__all__ = ["OPTIMIZER_IMPLS", "optimizer_impl", "implementation_of", "fused_optimizer_support", "compile_support", "best_switches"]
 
 # torch.optim's three implementations of one update (the same formula; fused computes it in another order, so its
 # results may differ in the last bits): 'for-loop' one kernel per parameter and operation, 'foreach' one per operation
@@ -35,6 +35,15 @@ def optimizer_impl(name: str) -> dict:
         raise ValueError(f"optimizer implementation {name!r} is unknown: pick one of "
                          f"{', '.join(map(repr, OPTIMIZER_IMPLS))}")
     return dict(OPTIMIZER_IMPLS[name])
+
+
+def implementation_of(optimizer: torch.optim.Optimizer) -> str:
+    """The inverse of `optimizer_impl`: the name of the implementation ``optimizer`` was built with, read from its
+    defaults ('default' where neither foreach nor fused was asked for)."""
+    for name, kw in OPTIMIZER_IMPLS.items():
+        if kw and all(optimizer.defaults.get(k) == v for k, v in kw.items()):
+            return name
+    return "default"
 
 
 def fused_optimizer_support(device: torch.device) -> tuple[bool, str]:

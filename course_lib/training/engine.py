@@ -202,12 +202,11 @@ class Engine:
                 self.model(x)
         finally:
             hook.remove()
-        defaults = self.optimizer.defaults
-        impl = "fused" if defaults.get("fused") else {True: "foreach", False: "for-loop"}.get(defaults.get("foreach"),
-                                                                                             "default")
+        from course_lib.parallel.fast_step import implementation_of
+
         return {"vocab_rows": int(self.model.get_input_embeddings().weight.shape[0])
                 if hasattr(self.model, "get_input_embeddings") else int(self.model.tok_emb.weight.shape[0]),
-                "optimizer": impl, "compiled": hasattr(self.net, "_orig_mod"),     # torch.compile's OptimizedModule
+                "optimizer": implementation_of(self.optimizer), "compiled": hasattr(self.net, "_orig_mod"),     # torch.compile's OptimizedModule
                 "autocast": self.autocast, "forward_weight_dtype": seen[0].replace("torch.", "")}
 
     def lr(self) -> float:

@@ -222,15 +222,11 @@ def train(cfg, layout: dict) -> dict:
     writer.close()
     if bar is not None:
         bar.close()
+    final = dict(final_params=_params_digest(engine),   # collectives under FSDP2: every rank takes part
+                 eval_loss=_eval_loss(cfg, engine, loader.tokens, device), built=engine.describe(_probe(mcfg, device)))
     if rank == 0:
-        record.update(config=cfg.to_dict(), world_size=world, layout=layout, restarts=restart_count(),
-                      final_params=_params_digest(engine), eval_loss=_eval_loss(cfg, engine, loader.tokens, device),
-                      built=engine.describe(_probe(mcfg, device)))
+        record.update(config=cfg.to_dict(), world_size=world, layout=layout, restarts=restart_count(), **final)
         (out / "result.json").write_text(json.dumps(record, indent=1))
-    else:
-        _params_digest(engine)                          # a collective under FSDP2: every rank takes part
-        _eval_loss(cfg, engine, loader.tokens, device)
-        engine.describe(_probe(mcfg, device))
     return record
 
 

@@ -350,10 +350,15 @@ def profile_ddp_step(nprocs: int = 2, preset: str | None = None, batch_size: int
 # ---------------------------------------------------------------------------------------------
 
 
-def _train_setup(cfg, batch_size: int, device, seed: int = 0):
-
-    model = build_model(cfg, seed=seed).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+def _train_setup(cfg, batch_size: int, device, seed: int = 0, vocab_multiple: int | None = None,
+                 optimizer: str = "default"):
+    """The model (its vocabulary padded to ``vocab_multiple`` if given), Adam (the ``optimizer`` implementation,
+    `parallel.fast_step.OPTIMIZER_IMPLS`) and one batch (B, T)."""
+    model = build_model(cfg, seed=seed)
+    if vocab_multiple:
+        model = pad_vocab(model, vocab_multiple)
+    model = model.to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, **optimizer_impl(optimizer))
     x, y = random_batches(cfg, batch_size, seed=seed)[0]                   # (B, T) each
     return model, opt, x.to(device), y.to(device)
 
@@ -369,16 +374,14 @@ def train_step_mfu(cfg, batch_size: int, device=None, warmup: int = 2, repeats: 
     torch.compile), the warm-up steps compiling. ``switches`` in the result says what ran.
     """
     device = _device(device)
-    model, opt, x, y = _train_setup(cfg, batch_size, device)
     if fast:
         on = dict(best_switches(device) if switches is None else switches)
-        if on.get("vocab_multiple"):
-            model = pad_vocab(model, on["vocab_multiple"])
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3, **optimizer_impl(on.get("optimizer", "default")))
         if on.get("compile"):
             warmup = max(warmup, 2)                                       # the first compiled steps compile
     else:
         on = dict(autocast=device.type == "cuda", vocab_multiple=None, optimizer="default", compile=False)
+    model, opt, x, y = _train_setup(cfg, batch_size, device, vocab_multiple=on.get("vocab_multiple"),
+                                    optimizer=on.get("optimizer", "default"))
     loss_of = torch.compile(model.loss, dynamic=False) if on.get("compile") else model.loss
 
     def step():
