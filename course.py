@@ -8,10 +8,11 @@
     python3 course.py test --fast      the maintainer's loop: every unit and multi-rank test, without the tests
                               marked slow (lessons under nbval or in the browser, grading every notebook, real lab
                               reports): a few minutes; CI runs the whole command
+    python3 course.py book    the course as a static website with the outputs of a real run (`course book --help`)
     python3 course.py ARGS    anything else goes to the `course` command inside .venv (doctor, run, build, grade)
 
 The environment is re-installed when pyproject.toml changes, or when a command needs an extra that is not installed
-yet (`browser`: playwright). Only the standard library is used here.
+yet (`browser`: playwright; `book`: Sphinx and its theme). Only the standard library is used here.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def main(argv: list[str]) -> int:
         if browser == "only" and not CHROMIUM.is_file():
             fail(f"the browser test needs Chromium at {CHROMIUM}: sudo apt-get install chromium fonts-noto-cjk "
                  f"(or set COURSE_CHROMIUM to a Chromium binary)")
-    ensure_env(["test", "browser"] if browser else ["test"])
+    extras = ["test", "book"] if command in ("test", "book") else ["test"]
+    ensure_env(extras + (["browser"] if browser else []))
     if command == "test":
         return run_tests(rest, browser, fast)
     if command == "install":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -112,3 +113,88 @@ def test_lesson_runs_in_jupyterlab(lab, notebook, capsys):
         print(f"\n[browser] {result.lesson}: {'OK' if result.ok else 'FAILED'} in {result.seconds:.0f} s at quick "
               f"sizes, {len(result.widgets)} widget(s) reacted; screenshot {result.screenshot}", flush=True)
     assert result.ok, result.report()
+
+
+# ------------------------------------------------------------------------------------------------ the book
+# Last in this file, so that in the test command it builds from the lessons run above (one worker runs this whole
+# file in order): `course book --from` their run folder, with no second execution. Run alone (-k book), it first runs
+# the lessons whose pages it opens.
+BOOK_PAGES = {"01": "a widget's saved state, plots, math", "03": "schedules and most of the course's math",
+              "08": "the planner's tables and plots"}
+PAGE_JS = """() => ({
+    images: document.querySelectorAll('article img').length,
+    broken: [...document.querySelectorAll('article img')].filter(i => !i.complete || i.naturalWidth === 0)
+            .map(i => i.getAttribute('src')),
+    math: document.querySelectorAll('article .math').length,
+    typeset: document.querySelectorAll('article .math mjx-container').length,
+    raw_math: [...document.querySelectorAll('article p, article li')].filter(e => /\\$[^$\\s][^$]*\\$/.test(e.innerText))
+              .map(e => e.innerText.slice(0, 80)),
+    lessons: [...document.querySelectorAll('nav.bd-docs-nav a')].map(a => a.innerText.trim()),
+    search: !!document.querySelector('form.bd-search input[name=q]') || !!document.querySelector('button.search-button__button, .search-button-field'),
+    outline: document.querySelectorAll('.bd-toc-nav a, #pst-page-toc-nav a').length,
+    next: [...document.querySelectorAll('.prev-next-area a')].map(a => a.getAttribute('href')),
+})"""
+
+
+def _serve(site):
+    """A local static web server on ``site`` (as an instructor's would be); (server, base URL)."""
+    import functools
+    import http.server
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(site)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_port}/"
+
+
+def test_book_of_the_lessons_run_above(lab, capsys):
+    """`course book --from` the executed lessons above: the site builds, publishes no answer (the build checks, and
+    refuses a leak: tests/test_book.py), and the index and three lessons render in Chromium with every request
+    outside the site refused: figures loaded, math typeset by the bundled MathJax, navigation, search and outline."""
+    from course_lib.instructor import book
+
+    for key in BOOK_PAGES:
+        if key not in book.executed_lessons(lab.run_dir):
+            assert lab.run_lesson(LESSONS[key]).ok
+    out = cli.ROOT / "runs" / "book" / lab.run_dir.name
+    made = book.build(lab.run_dir, out)
+    site = Path(made["site"])
+    with capsys.disabled():
+        print(f"\n[book] built from {lab.run_dir} in {made['seconds']:.0f} s: {made['pages']} pages, "
+              f"{made['megabytes']:.1f} MB, lessons with outputs {', '.join(made['with_outputs'])}; "
+              f"screenshots in {out}", flush=True)
+    assert set(BOOK_PAGES) <= set(made["with_outputs"]), made
+    for key in made["with_outputs"]:             # every page with a run's outputs has its figures
+        page = (site / "notebooks" / f"{LESSONS[key].stem}.html").read_text()
+        assert page.count("<img") >= 2 and "The outputs below come from a run on" in page, key
+    server, base = _serve(site)
+    context = lab.browser.new_context(viewport={"width": 1400, "height": 1000})
+    outside = []
+    context.route("**/*", lambda route: route.continue_() if route.request.url.startswith(base) else
+                  (outside.append(route.request.url), route.abort()))
+    try:
+        for key in ["index", *BOOK_PAGES]:
+            path = "index.html" if key == "index" else f"notebooks/{LESSONS[key].stem}.html"
+            page = context.new_page()
+            page.goto(base + path, wait_until="networkidle")
+            page.evaluate("async () => { await window.MathJax?.startup?.promise; }")   # typeset the page
+            page.evaluate(browser.DECODE_IMAGES_JS, None)
+            seen = page.evaluate(PAGE_JS)
+            if seen["images"]:                    # the screenshot shows the page's first figure
+                page.locator("article img").first.scroll_into_view_if_needed()
+            page.screenshot(path=str(out / f"{key}.png"))
+            page.close()
+            where = f"{path}: {seen}"
+            assert len([n for n in seen["lessons"] if n[:2].isdigit()]) >= 2 * len(LESSONS), where  # lessons+exercises
+            assert seen["search"] and not seen["broken"], where
+            if key != "index":
+                assert seen["images"] >= 2 and seen["outline"] >= 3 and seen["next"], where
+                assert seen["math"] > 0 and seen["typeset"] == seen["math"] and not seen["raw_math"], where
+    finally:
+        context.close()
+        server.shutdown()
+    assert not outside, f"the site asked the network for {outside[:5]}: it must render offline"

@@ -15,7 +15,9 @@ idle. Then it saves the notebook (the executed copy stays in the run folder) and
   (a dropdown, else a slider) changes the widget's output area, with no error in it.
 
 A screenshot per lesson (NN_name.png) is kept next to the executed copy; the lesson's kernel is shut down before the
-next lesson opens, and whatever it started must be gone by then.
+next lesson opens, and whatever it started must be gone by then. The executed copies keep their widgets' state
+(JupyterLab's widget setting ``saveState``, for this server only), and ``run.json`` says what machine, versions and
+sizes ran them: `course book --from` the run folder makes the course's website from them.
 
 Used by tests/test_browser.py (every lesson; `python3 course.py test --browser`) and tools/lab_smoke.py (chosen
 notebooks, by hand). Needs Debian's ``chromium`` (``COURSE_CHROMIUM`` names another binary) and the ``browser``
@@ -170,15 +172,24 @@ class Lab:
 
         from course_lib.instructor.lab_settings import lab_flags, write_lab_settings
 
+        from course_lib.instructor import book, lab_report
+
         write_lab_settings()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        quick = self.env.get("COURSE_QUICK", os.environ.get("COURSE_QUICK", "")) == "1"
+        (self.run_dir / book.RUN_INFO).write_text(json.dumps(book.describe_run(lab_report.sizes_of(quick))))
+        # This server's user settings: the saved notebooks keep their widgets' state (an Output's plots too).
+        widgets = self.run_dir / "lab-user-settings" / "@jupyter-widgets" / "jupyterlab-manager"
+        widgets.mkdir(parents=True, exist_ok=True)
+        (widgets / "plugin.jupyterlab-settings").write_text(json.dumps({"saveState": True}))
         env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"} | self.env
         env[procs.TAG_VAR] = procs.nested_tag(self.server_tag)
         with open(self.run_dir / "jupyter.log", "wb") as log:
             self.server = subprocess.Popen(
                 [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
                  f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
-                 f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.run_dir}", *lab_flags()],
+                 f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.run_dir}",
+                 f"--LabApp.user_settings_dir={self.run_dir / 'lab-user-settings'}", *lab_flags()],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 preexec_fn=sigterm_when_parent_dies())  # noqa: PLW1509 - it only makes a system call
         deadline = time.time() + self.start_timeout_s

@@ -1,4 +1,4 @@
-"""The ``course`` command: doctor | gpu-check | lab | run | build | grade | lab-report.
+"""The ``course`` command: doctor | gpu-check | lab | run | build | grade | lab-report | book.
 
     course doctor          check this machine: versions, devices, backends, a real 2-rank job
     course gpu-check       the instructor's self-test of a (GPU) node: a table of checks, non-zero exit on a failure
@@ -7,6 +7,7 @@
     course build [--check] write exercises/ from solutions/
     course grade PATH...   grade submissions (see docs/GRADING.md)
     course lab-report      run the self-test and every lesson here, write one HTML report (reports/lab/)
+    course book            the course as a static website with the outputs of a real run (runs/book/site/)
 """
 
 from __future__ import annotations
@@ -374,10 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     from course_lib.grading.commands import add_parsers
+    from course_lib.instructor.book import add_parser as add_book
     from course_lib.instructor.lab_report import add_parser as add_lab_report
 
     add_parsers(sub)
     add_lab_report(sub)
+    add_book(sub)
     return parser
 
 

@@ -141,6 +141,7 @@ def execute_notebook(path: Path, out_path: Path, cell_timeout: float = 600, env:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        client.set_widgets_metadata()     # the widgets' last state (an Output's plots too): `course book` shows it
         nbformat.write(nb, out_path)
     return error, ran, time.perf_counter() - t0
 
@@ -151,7 +152,8 @@ def count_code_cells(path: Path) -> int:
     return sum(c.cell_type == "code" for c in nbformat.read(path, as_version=4).cells)
 
 
-def _sizes(quick: bool) -> str:
+def sizes_of(quick: bool) -> str:
+    """The sizes the lessons run at here: GPU sizes where there are GPUs, else quick or learner CPU sizes."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.device_count():
@@ -202,7 +204,7 @@ def run_report(keys: list[str], found: dict[str, Path], out: Path, quick: bool =
                                                             cell_timeout, env, on_cell)
         bar.update(run.code_cells - done)                 # the cells a failure skipped
         run.wall_s = round(run.wall_s, 1)
-        run.status, run.error, run.sizes = ("failed" if error else "ok"), error, _sizes(quick)
+        run.status, run.error, run.sizes = ("failed" if error else "ok"), error, sizes_of(quick)
         run.comparisons = comparisons.load(records)
         run.html, run.first_plot = _render(out / f"{run.notebook}.executed.ipynb", out)
         report["lessons"].append(run.to_dict())

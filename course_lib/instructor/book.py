@@ -1,0 +1,428 @@
+"""``course book``: the course as a static website, every lesson with the outputs of a real run (issue 47).
+
+    course book                          run every lesson here at the learner's sizes, then build the site
+    course book --from reports/lab       build it from a `course lab-report` (an instructor's GPU run, say)
+    course book --from runs/browser/X    ... or from the lessons the browser test ran (tests/test_browser.py)
+
+The site (``OUT/site/index.html``, default ``runs/book/site``) is built by Sphinx with myst-nb and
+sphinx-book-theme from the executed notebooks, without executing them again. It holds the course index, every
+lesson (plots, tables, each widget as it was left: its controls' values and its output), each lesson's exercises as
+the learner gets them (no reference answer, no hidden test: they come from ``exercises/``), and the glossary as one
+page. Each lesson page says which machine, versions, sizes and date its numbers came from, and links to the lesson's
+notebook to run it. MathJax comes from the sphinx-mathjax-offline package and lands in the site: the site renders
+with no network. Served by any static web server (docs/INSTRUCTORS.md says how to publish it).
+
+What may not be published is checked twice: an executed lesson whose code differs from ``notebooks/`` (a quiz
+answered, a prediction filled in) is refused before the build, and the built site is searched for every solution's
+answer lines and hidden tests (`leaks`); either stops the build with the file to look at.
+"""
+
+from __future__ import annotations
+
+import datetime
+import html
+import json
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from course_lib import notebook as nbio
+from course_lib.instructor.catalog import lessons
+
+ROOT = Path(__file__).resolve().parents[2]           # the repository (this is course_lib/instructor/)
+RUN_INFO = "run.json"          # what a run of the lessons was: written by the browser test's lab; report.json alike
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+TITLE = "Training LLMs at scale, hands-on"
+
+CONF = '''# Written by `course book` (course_lib/instructor/book.py): Sphinx's configuration of the course's book.
+project = {title!r}
+author = "the course's authors"
+extensions = ["myst_nb", "sphinx-mathjax-offline"]    # MathJax 3 copied into the site: it renders offline
+html_theme = "sphinx_book_theme"
+html_title = {title!r}
+html_theme_options = {{"show_toc_level": 2, "use_download_button": False, "home_page_in_toc": True}}
+html_last_updated_fmt = None
+nb_execution_mode = "off"             # the outputs are the run's: nothing executes again
+nb_ipywidgets_js = {{}}               # no widget JavaScript from a CDN: widgets are written out as their state
+nb_merge_streams = True
+myst_enable_extensions = ["dollarmath", "amsmath"]
+myst_heading_anchors = 3
+exclude_patterns = ["_run", "_build"]
+suppress_warnings = ["myst.header", "misc.highlighting_failure"]
+'''
+
+
+class BookError(RuntimeError):
+    """The run cannot make a book (what, which file, how to fix)."""
+
+
+# ------------------------------------------------------------------------------------------ the run's facts
+
+def describe_run(sizes: str) -> dict:
+    """What a run of the lessons on this machine is (``run.json``): hardware, versions, sizes, date."""
+    import torch
+
+    from course_lib.instructor.gpu_check import inventory
+    from course_lib.measure import hardware
+
+    return {"hardware": hardware.hardware_label("nccl" if torch.cuda.is_available() else "gloo"),
+            "created": datetime.datetime.now().isoformat(timespec="seconds"), "sizes": sizes,
+            "inventory": [list(row) for row in inventory()]}
+
+
+def run_facts(run_dir: Path) -> dict:
+    """The facts of the run in ``run_dir``: its ``report.json`` (`course lab-report`) or ``run.json``."""
+    for name in ("report.json", RUN_INFO):
+        if (run_dir / name).exists():
+            facts = json.loads((run_dir / name).read_text())
+            sizes = {r["key"]: r.get("sizes", "") for r in facts.get("lessons", [])}
+            versions = {k: v for k, v in facts.get("inventory", []) if k in ("python", "CUDA", "NCCL")}
+            return {"hardware": facts.get("hardware", "unknown hardware"), "created": facts.get("created", ""),
+                    "sizes": sizes, "default_sizes": facts.get("sizes", ""), "versions": versions}
+    raise BookError(f"{run_dir} has neither report.json nor {RUN_INFO}, so its pages could not say where their "
+                    "numbers came from: give --from a `course lab-report` folder (or run `course book` without --from)")
+
+
+def executed_lessons(run_dir: Path) -> dict[str, Path]:
+    """{'03': run_dir/03_pipeline_parallel.executed.ipynb or .../03_pipeline_parallel.ipynb} for every lesson found."""
+    found = {}
+    for key, lesson in lessons("notebooks").items():
+        for name in (f"{lesson.stem}.executed.ipynb", lesson.name):
+            if (run_dir / name).exists():
+                found[key] = run_dir / name
+                break
+    return found
+
+
+def check_unchanged(executed, lesson, where: str) -> None:
+    """The executed copy holds the lesson's own cells: a changed cell (an answered quiz, a filled prediction, an older
+    course) would publish it. Raises BookError naming the first changed cell."""
+    mine = [(c.cell_type, nbio.source(c)) for c in lesson.cells]
+    theirs = [(c.cell_type, nbio.source(c)) for c in executed.cells]
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            first = (b[1].strip().splitlines() or [""])[0][:60]
+            raise BookError(f"{where}: cell {i} (`{first}`) differs from the lesson in notebooks/; a book shows the "
+                            "lessons as published (no answered quiz or prediction): run the unchanged lessons again")
+    if len(mine) != len(theirs):
+        raise BookError(f"{where} has {len(theirs)} cells, the lesson {len(mine)}: run the current lessons again")
+
+
+# ------------------------------------------------------------------------------------------ the pages
+
+def static_widgets(nb) -> int:
+    """Replace each widget view by what it showed when saved: one line with its controls' values, then its
+    Output widgets' outputs (plots, text). Without saved widget state, a note says to run the lesson. Returns the
+    number of widgets written out."""
+    import nbformat
+
+    state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    count = 0
+    for cell in (c for c in nb.cells if c.cell_type == "code"):
+        outputs = []
+        for out in cell.outputs:
+            view = out.get("data", {}).get(WIDGET_VIEW)
+            if view is None:
+                outputs.append(out)
+                continue
+            count += 1
+            controls, shown = _walk(state, view.get("model_id", ""))
+            line = ("An interactive widget (run the lesson to use it)" + (": as it was left, " + ", ".join(controls)
+                    if controls else "") + "." if state else
+                    "An interactive widget: its state was not saved with this run; run the lesson to use it.")
+            outputs.append(_markdown_output(line))
+            outputs.extend(shown)
+        cell["outputs"] = [nbformat.from_dict(o) for o in outputs]
+    nb.metadata.pop("widgets", None)
+    return count
+
+
+def _walk(state: dict, model_id: str) -> tuple[list[str], list[dict]]:
+    """(the controls' 'description = value', the Output widgets' outputs) under the widget ``model_id``."""
+    model = state.get(model_id)
+    if model is None:
+        return [], []
+    name, s = model.get("model_name", ""), model.get("state", {})
+    if name == "OutputModel":
+        return [], list(s.get("outputs", []))
+    if "children" in s:
+        controls, shown = [], []
+        for child in s["children"]:
+            c, o = _walk(state, str(child).removeprefix("IPY_MODEL_"))
+            controls += c
+            shown += o
+        return controls, shown
+    if "_options_labels" in s and s.get("index") is not None:
+        value = s["_options_labels"][s["index"]] if isinstance(s["index"], int) else \
+            ", ".join(s["_options_labels"][i] for i in s["index"])
+    elif "value" in s:
+        value = s["value"]
+    else:
+        return [], []
+    label = s.get("description") or name.removesuffix("Model")
+    return [f"{label} = {value:.4g}" if isinstance(value, float) else f"{label} = {value}"], []
+
+
+def _markdown_output(text: str) -> dict:
+    """A display output that renders as markdown."""
+    return {"output_type": "display_data", "metadata": {}, "data": {"text/markdown": text, "text/plain": text}}
+
+
+def _markdown_cell(text: str) -> dict:
+    return {"cell_type": "markdown", "metadata": {}, "source": text, "id": f"book-{abs(hash(text)) % 10**8}"}
+
+
+def lesson_page(lesson: Path, executed: Path | None, facts: dict) -> tuple:
+    """The lesson's page: the executed copy (widgets written out) under a note on where its numbers came from and
+    how to run it; without an executed copy, the lesson's text with a note that this run did not include it."""
+    import nbformat
+
+    clean = nbformat.read(lesson, as_version=4)
+    key = lesson.name[:2]
+    run_it = (f"**Run this lesson:** {{download}}`its notebook <../_run/{lesson.name}>`, or, in a clone of the "
+              f"course, `python3 course.py lab` and open `notebooks/{lesson.name}`.")
+    nb = nbformat.read(executed, as_version=4) if executed is not None else None
+    if nb is None or not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"):  # a lesson that failed
+        nb, widgets = clean, 0
+        note = f"This lesson was not run for this book: its text only, without outputs. {run_it}"
+    else:
+        check_unchanged(nb, clean, str(executed))
+        widgets = static_widgets(nb)
+        versions = ", ".join(f"{k} {v}" for k, v in facts["versions"].items())
+        sizes = facts["sizes"].get(key) or facts["default_sizes"] or "the sizes this machine chose"
+        note = (f"The outputs below come from a run on {facts['hardware']} ({versions}) at {sizes}, "
+                f"{facts['created'][:10] or 'date not recorded'}; every number and figure is that run's and yours "
+                f"will differ. Widgets are shown as they were left. {run_it}")
+    title = next((i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and
+                  nbio.source(c).lstrip().startswith("# ")), -1)
+    nb.cells.insert(title + 1, nbformat.from_dict(_markdown_cell(f"```{{note}}\n{note}\n```")))
+    return nb, widgets
+
+
+def exercise_page(path: Path):
+    """The learner's copy of the lesson's exercises (answers and hidden tests are not in it), with a note."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    note = (f"The graded exercises of lesson {path.name[:2]}, as a learner gets them: the reference answers are not "
+            f"published. Do them in JupyterLab (`exercises/{path.name}` in a clone of the course); "
+            "`course grade` marks them.")
+    nb.cells.insert(1, nbformat.from_dict(_markdown_cell(f"```{{note}}\n{note}\n```")))
+    return nb
+
+
+def glossary_page(pages: dict[str, str]) -> str:
+    """The course's one glossary as a page; each lesson number links to its page."""
+    from course_lib import glossary
+
+    table = [ln for ln in glossary.document(root=ROOT).splitlines() if ln.startswith("|")]
+
+    def link(row: str) -> str:
+        cells = row.split("|")
+        cells[-2] = " " + ", ".join(f"[{k}]({pages[k]})" if k in pages else k
+                                    for k in cells[-2].strip().split(", ")) + " "
+        return "|".join(cells)
+
+    return "\n".join(["# Glossary (English / 中文)", "",
+                      "The course's one glossary: each lesson's glossary table takes its terms from it.", "",
+                      *table[:2], *(link(r) for r in table[2:])]) + "\n"
+
+
+def index_page(keys: list[str], facts: dict | None) -> str:
+    """The book's first page: the course index's text (its links made the book's) and the table of contents."""
+    index = nbio.read(ROOT / "notebooks" / "index.ipynb")
+    text = "\n\n".join(nbio.source(c) for c in index.cells if c.cell_type == "markdown")
+    text = re.sub(r"\]\((\d\d_[a-z0-9_]+\.ipynb)\)", r"](notebooks/\1)", text)
+    text = text.replace("](../exercises/", "](exercises/")
+    made = (f"\n\nThis book shows the outputs of a run on {facts['hardware']}, {facts['created'][:10]}; each lesson "
+            "page says so again, with its sizes." if facts else "")
+    toc = ["", "```{toctree}", ":caption: Lessons", ":hidden:", "",
+           *(f"notebooks/{lessons('notebooks')[k].stem}" for k in keys), "```", "",
+           "```{toctree}", ":caption: Exercises", ":hidden:", "",
+           *(f"exercises/{lessons('exercises')[k].stem}" for k in keys if k in lessons("exercises")), "```", "",
+           "```{toctree}", ":caption: Reference", ":hidden:", "", "glossary", "```", ""]
+    return text + made + "\n" + "\n".join(toc)
+
+
+# ------------------------------------------------------------------------------------------ building
+
+def write_source(src: Path, run_dir: Path | None) -> dict:
+    """Write the book's Sphinx project into ``src``; returns what went in (lessons with outputs, widgets, facts)."""
+    import nbformat
+
+    if src.exists():
+        shutil.rmtree(src)
+    for sub in ("notebooks", "exercises", "_run"):
+        (src / sub).mkdir(parents=True)
+    facts = run_facts(run_dir) if run_dir is not None else None
+    executed = executed_lessons(run_dir) if run_dir is not None else {}
+    found = lessons("notebooks")
+    widgets = 0
+    for key, lesson in found.items():
+        nb, n = lesson_page(lesson, executed.get(key), facts or {})
+        widgets += n
+        nbformat.write(nb, src / "notebooks" / lesson.name)
+        shutil.copyfile(lesson, src / "_run" / lesson.name)
+    for key, path in lessons("exercises").items():
+        nbformat.write(exercise_page(path), src / "exercises" / path.name)
+    pages = {k: f"notebooks/{p.stem}" for k, p in found.items()}
+    (src / "glossary.md").write_text(glossary_page(pages), encoding="utf-8")
+    (src / "index.md").write_text(index_page(sorted(found), facts), encoding="utf-8")
+    (src / "conf.py").write_text(CONF.format(title=TITLE), encoding="utf-8")
+    return {"with_outputs": sorted(executed), "lessons": sorted(found), "widgets": widgets, "facts": facts}
+
+
+def sphinx_build(src: Path, site: Path, log: Path) -> None:
+    """Run Sphinx (html) from ``src`` into ``site``; its messages go to ``log``; BookError on failure."""
+    import subprocess
+
+    if site.exists():
+        shutil.rmtree(site)
+    with open(log, "w") as f:
+        status = subprocess.call([sys.executable, "-m", "sphinx", "-b", "html", "-q", str(src),
+                                  str(site), "-d", str(src.parent / "doctrees")], stdout=f, stderr=subprocess.STDOUT)
+    if status != 0:
+        tail = log.read_text(errors="replace")[-1500:]
+        raise BookError(f"Sphinx failed (exit code {status}); the end of {log}:\n{tail}")
+
+
+def secret_lines() -> dict[str, str]:
+    """{line: where it comes from} for every line that must not be published: the solutions' answer regions and
+    hidden tests, less the lines the lessons or the learners' copies show anyway (a ``return out``, say)."""
+    from course_lib.grading import authoring
+
+    public = set()
+    for folder in ("notebooks", "exercises"):
+        for path in lessons(folder).values():
+            for cell in nbio.read(path).cells:
+                public.update(ln.strip() for ln in nbio.source(cell).splitlines())
+    secret = {}
+    for key, path in lessons("solutions").items():
+        for i, cell in enumerate(nbio.read(path).cells):
+            src = nbio.source(cell)
+            info = authoring.test_info(cell)
+            if info and info["hidden"]:
+                lines, what = src.splitlines(), "a hidden test"
+            elif authoring.has_solution(cell):
+                inside, lines = False, []
+                for ln in src.splitlines():
+                    if ln.strip().startswith(authoring.END):
+                        inside = False
+                    if inside:
+                        lines.append(ln)
+                    if ln.strip().startswith(authoring.BEGIN):
+                        inside = True
+                what = "an answer"
+            else:
+                continue
+            for ln in lines:
+                s = ln.strip()
+                if len(s) >= 16 and not s.startswith("#") and s not in public:
+                    secret.setdefault(s, f"{what} in solutions/{path.name}, cell {i}")
+    return secret
+
+
+def site_lines(site: Path) -> dict[str, str]:
+    """{stripped line: a file of the site that shows it}: the text of every page (tags removed), source copy and
+    notebook the site serves (its theme's and MathJax's files, ``_static/``, left out)."""
+    import nbformat
+
+    lines: dict[str, str] = {}
+    for path in sorted(site.rglob("*")):
+        if not path.is_file() or "_static" in path.relative_to(site).parts:
+            continue
+        if path.suffix in (".html", ".htm"):
+            text = html.unescape(re.sub(r"<[^>]+>", "", path.read_text(errors="replace")))
+        elif path.suffix == ".ipynb":
+            nb = nbformat.read(path, as_version=4)
+            text = "\n".join([nbio.source(c) for c in nb.cells] + [json.dumps(c.get("outputs", []), indent=0)
+                                                                     for c in nb.cells])
+        elif path.suffix in (".txt", ".md", ".js", ".json", ".py"):
+            text = path.read_text(errors="replace")
+        else:
+            continue
+        for ln in text.splitlines():
+            lines.setdefault(ln.strip(), str(path.relative_to(site)))
+    return lines
+
+
+def leaks(site: Path) -> list[str]:
+    """Every answer or hidden-test line of the solutions that the built site shows, with where (empty: none)."""
+    shown = site_lines(site)
+    return [f"{where}: `{line}` is published in {shown[line]}" for line, where in secret_lines().items()
+            if line in shown]
+
+
+def build(run_dir: Path | None, out: Path) -> dict:
+    """Write the Sphinx project into ``out/source`` and build the site into ``out/site``; check it for leaks.
+    Returns what was built (pages, sizes, seconds)."""
+    t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    made = write_source(out / "source", run_dir)
+    site = out / "site"
+    sphinx_build(out / "source", site, out / "sphinx.log")
+    found = leaks(site)
+    if found:
+        shutil.rmtree(site)
+        raise BookError("the site would publish what learners must not see (site removed):\n  " +
+                        "\n  ".join(found[:10]) + ("\n  ..." if len(found) > 10 else ""))
+    size = sum(p.stat().st_size for p in site.rglob("*") if p.is_file())
+    made.update(site=str(site), seconds=round(time.perf_counter() - t0, 1), megabytes=round(size / 1e6, 1),
+                pages=len(list(site.rglob("*.html"))))
+    return made
+
+
+def main(args) -> int:
+    """``course book`` (arguments from `course_lib.instructor.cli`)."""
+    from course_lib.instructor import lab_report
+
+    out = Path(args.out)
+    try:
+        for module in ("sphinx", "myst_nb", "sphinx_book_theme"):
+            __import__(module)
+    except ImportError as exc:
+        print(f"course book: {exc.name} is missing: install the book's tools with `pip install -e '.[book]'` "
+              "(or `python3 course.py book`, which does it)", file=sys.stderr)
+        return 2
+    run_dir = Path(args.from_dir) if args.from_dir else None
+    if run_dir is not None and not run_dir.is_dir():
+        print(f"course book: --from {run_dir}: no such folder (give a `course lab-report` folder)", file=sys.stderr)
+        return 2
+    if run_dir is None:
+        found = lessons("notebooks")
+        try:
+            keys = lab_report.parse_lessons(args.lessons, found)
+        except ValueError as exc:
+            print(f"course book: {exc}", file=sys.stderr)
+            return 2
+        run_dir = out / "run"
+        print(f"course book: running {len(keys)} lesson(s) here first ({'quick' if args.quick else 'learner'} "
+              f"sizes), into {run_dir}", flush=True)
+        report = lab_report.run_report(keys, found, run_dir, quick=args.quick, gpu_check=False)
+        print(lab_report.summary(report), flush=True)
+    try:
+        made = build(run_dir, out)
+    except BookError as exc:
+        print(f"course book: {exc}", file=sys.stderr)
+        return 1
+    missing = sorted(set(made["lessons"]) - set(made["with_outputs"]))
+    print(f"course book: built in {made['seconds']:.0f} s: {made['pages']} pages, {made['megabytes']:.1f} MB, "
+          f"{len(made['with_outputs'])} lesson(s) with the outputs of the run on {made['facts']['hardware']}"
+          + (f"; without outputs (not in that run): {', '.join(missing)}" if missing else "") +
+          f"\nopen {Path(made['site']) / 'index.html'}, or serve the folder: "
+          f"python3 -m http.server -d {made['site']}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("book", help="the course as a static website with the outputs of a real run")
+    p.add_argument("--from", dest="from_dir", default=None, help="a folder of executed lessons: a `course "
+                   "lab-report` folder (e.g. reports/lab, an instructor's GPU run); default: run them here first")
+    p.add_argument("--out", default=str(ROOT / "runs" / "book"), help="where the site goes: OUT/site "
+                   "(default: runs/book)")
+    p.add_argument("--lessons", default="all", help="without --from: which lessons to run, e.g. 00,02-05")
+    p.add_argument("--quick", action="store_true", help="without --from: run the lessons at their quick CPU sizes")
+    p.set_defaults(func=main)

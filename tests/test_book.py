@@ -1,0 +1,178 @@
+"""`course book` (course_lib/instructor/book.py): the site is built from a run's executed lessons, says where their
+numbers came from, writes widgets out as their saved state, renders offline, and publishes no answer.
+
+The book of every lesson, opened in Chromium, is tests/test_browser.py's last test (it builds from the lessons that
+file ran); here a one-lesson run made by hand is enough, and no browser is needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import html
+import json
+import re
+import shutil
+
+import nbformat
+import pytest
+
+from course_lib import notebook as nbio
+from course_lib.instructor import book, catalog, cli
+
+LESSONS = catalog.lessons("notebooks")
+PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
+
+
+def _widget_state():
+    """A saved VBox of a dropdown, a float slider and an Output holding a line of text and a figure."""
+    def model(name, **state):
+        return {"model_name": name, "model_module": "@jupyter-widgets/controls", "model_module_version": "2.0.0",
+                "state": state}
+    return {"box": model("VBoxModel", children=["IPY_MODEL_pick", "IPY_MODEL_mfu", "IPY_MODEL_out"]),
+            "pick": model("DropdownModel", description="GPU", _options_labels=["A100", "H100"], index=1),
+            "mfu": model("FloatSliderModel", description="MFU", value=0.39999999999999997),
+            "out": model("OutputModel", outputs=[
+                {"output_type": "stream", "name": "stdout", "text": "step 18.8 ms\n"},
+                {"output_type": "display_data", "metadata": {}, "data": {"image/png": PNG, "text/plain": "<Figure>"}}])}
+
+
+def _executed_lesson(run_dir, key="00", widget_state=True):
+    """A copy of lesson ``key`` as a run would leave it: its first code cell shows a figure and a widget."""
+    nb = nbformat.read(LESSONS[key], as_version=4)
+    first = next(c for c in nb.cells if c.cell_type == "code")
+    first.outputs = [nbformat.from_dict(o) for o in [
+        {"output_type": "display_data", "metadata": {}, "data": {"image/png": PNG, "text/plain": "<Figure>"}},
+        {"output_type": "display_data", "metadata": {}, "data": {
+            book.WIDGET_VIEW: {"model_id": "box", "version_major": 2, "version_minor": 0},
+            "text/plain": "VBox(children=(Dropdown(...), FloatSlider(...), Output()))"}}]]
+    if widget_state:
+        nb.metadata["widgets"] = {book.WIDGET_STATE: {"version_major": 2, "version_minor": 0,
+                                                      "state": _widget_state()}}
+    nbformat.write(nb, run_dir / f"{LESSONS[key].stem}.executed.ipynb")
+    return nb
+
+
+def _run_dir(tmp_path, **kw):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / book.RUN_INFO).write_text(json.dumps({
+        "hardware": "CPU: Test Machine, 2 cores, torch 9.9, gloo", "created": "2026-12-02T10:00:00",
+        "sizes": "quick CPU sizes", "inventory": [["torch", "9.9"], ["python", "3.11.7"]]}))
+    _executed_lesson(run_dir, **kw)
+    return run_dir
+
+
+def test_widgets_are_written_out_as_their_saved_state(tmp_path):
+    nb = nbformat.read(_run_dir(tmp_path) / f"{LESSONS['00'].stem}.executed.ipynb", as_version=4)
+    assert book.static_widgets(nb) == 1 and "widgets" not in nb.metadata
+    outputs = next(c for c in nb.cells if c.cell_type == "code").outputs
+    assert outputs[0].data["image/png"] == PNG                        # the cell's own figure stays
+    line = outputs[1].data["text/markdown"]
+    assert "GPU = H100" in line and "MFU = 0.4." in line, line        # controls as left; a float as typed
+    assert outputs[2].text == "step 18.8 ms\n" and outputs[3].data["image/png"] == PNG   # the Output's contents
+    bare = _executed_lesson(tmp_path, widget_state=False)
+    assert book.static_widgets(bare) == 1
+    texts = [o.data.get("text/markdown", "") for o in next(c for c in bare.cells if c.cell_type == "code").outputs]
+    assert any("state was not saved" in t for t in texts) and not any("VBox(" in t for t in texts)
+
+
+def test_a_changed_lesson_is_refused(tmp_path):
+    lesson = nbformat.read(LESSONS["03"], as_version=4)
+    answered = copy.deepcopy(lesson)
+    quiz = next(i for i, c in enumerate(answered.cells) if "from course_lib.lessons.quizzes import quiz" in c.source)
+    answered.cells[quiz].source = answered.cells[quiz].source.replace("None", "42", 1)
+    with pytest.raises(book.BookError, match=rf"copy: cell {quiz} \(`.*differs from the lesson in notebooks/"):
+        book.check_unchanged(answered, lesson, "copy")
+    shorter = copy.deepcopy(lesson)
+    shorter.cells = shorter.cells[:-1]
+    with pytest.raises(book.BookError, match="cells, the lesson"):
+        book.check_unchanged(shorter, lesson, "copy")
+    book.check_unchanged(copy.deepcopy(lesson), lesson, "copy")      # outputs and metadata may differ, cells not
+
+
+def test_a_run_without_its_facts_is_refused_and_a_lab_report_is_read(tmp_path):
+    with pytest.raises(book.BookError, match="neither report.json nor run.json.*course lab-report"):
+        book.run_facts(tmp_path)
+    (tmp_path / "report.json").write_text(json.dumps({
+        "hardware": "GPU: NVIDIA H200, nccl", "created": "2026-12-01T09:00:00",
+        "inventory": [["torch", "2.14.1"], ["python", "3.11.7"], ["CUDA", "13.0"], ["GPU 0", "H200"]],
+        "lessons": [{"key": "03", "sizes": "GPU sizes where the ranks get a GPU each (1 GPUs), else CPU sizes"}]}))
+    facts = book.run_facts(tmp_path)
+    assert facts["versions"] == {"python": "3.11.7", "CUDA": "13.0"} and facts["sizes"]["03"].startswith("GPU")
+
+
+def _site_with(tmp_path, text):
+    """A one-page site whose page shows ``text`` in a code block, highlighted and escaped as Sphinx writes it."""
+    site = tmp_path / "site"
+    (site / "_static").mkdir(parents=True)
+    spans = "".join(f'<span class="n">{html.escape(tok)}</span>' for tok in re.split(r"(\W)", text) if tok)
+    (site / "page.html").write_text(f"<html><body><div class='highlight'><pre>x = 1\n{spans}\n</pre></div></body>")
+    (site / "_static" / "theme.js").write_text(text)      # the theme's files are not the course's text
+    return site
+
+
+def test_leaks_finds_an_answer_line_however_the_page_writes_it(tmp_path):
+    secret = book.secret_lines()
+    solved = {s: w for s, w in secret.items() if "an answer in" in w}
+    hidden = {s: w for s, w in secret.items() if "a hidden test" in w}
+    assert len(solved) > 100 and hidden, "every lesson's solutions have answer lines; some have hidden tests"
+    line, where = next((s, w) for s, w in solved.items() if "<" in s or "'" in s or '"' in s)
+    found = book.leaks(_site_with(tmp_path, line))
+    assert len(found) == 1 and found[0].startswith(where) and "published in page.html" in found[0], found
+    public = next(ln.strip() for c in nbio.read(LESSONS["03"]).cells for ln in nbio.source(c).splitlines()
+                  if len(ln.strip()) > 30)
+    shutil.rmtree(tmp_path / "site")
+    assert book.leaks(_site_with(tmp_path, public)) == [] and public not in secret
+
+
+def test_every_course_notebook_cell_has_an_id():
+    """nbformat 4.5 requires cell ids (a missing one becomes an error in a future nbformat): the book and JupyterLab
+    read these files."""
+    for folder in ("notebooks", "solutions", "exercises"):
+        for path in sorted((cli.ROOT / folder).glob("*.ipynb")):
+            cells = json.loads(path.read_text())["cells"]
+            assert all("id" in c for c in cells), (path.name, [i for i, c in enumerate(cells) if "id" not in c])
+
+
+def test_the_book_of_a_run(tmp_path, monkeypatch):
+    """The site of a run holding lesson 00 only: its page has the figure, the widget's state and the note on the
+    run's machine; the other lessons their text; exercises without answers; the glossary; MathJax bundled and no
+    script or style sheet from the network; then a leak stops the build and removes the site."""
+    run_dir = _run_dir(tmp_path)
+    made = book.build(run_dir, tmp_path / "book")
+    site = tmp_path / "book" / "site"
+    assert made["with_outputs"] == ["00"] and made["lessons"] == sorted(LESSONS) and made["widgets"] == 1
+    page = (site / "notebooks" / f"{LESSONS['00'].stem}.html").read_text()
+    assert "The outputs below come from a run on CPU: Test Machine, 2 cores, torch 9.9, gloo (python 3.11.7) at " \
+           "quick CPU sizes, 2026-12-02" in page
+    assert page.count("<img") >= 2 and "GPU = H100" in page and "step 18.8 ms" in page
+    assert re.search(r'href="../_downloads/[0-9a-f]+/00_getting_started.ipynb"', page), "the run-this-lesson link"
+    other = (site / "notebooks" / f"{LESSONS['03'].stem}.html").read_text()
+    assert "This lesson was not run for this book" in other and "The outputs below" not in other
+    exercise = (site / "exercises" / f"{LESSONS['03'].stem}.html").read_text()
+    assert "the reference answers are not published" in exercise and "NotImplementedError" in exercise
+    glossary = (site / "glossary.html").read_text()
+    assert "全归约" in glossary and f'href="notebooks/{LESSONS["03"].stem}.html"' in glossary
+    index = (site / "index.html").read_text()
+    assert "CPU: Test Machine" in index and all(f"notebooks/{p.stem}.html" in index for p in LESSONS.values())
+    assert (site / "_static" / "mathjax" / "tex-chtml.js").exists()
+    for path in site.rglob("*.html"):
+        remote = re.findall(r'<(?:script|link)[^>]*(?:src|href)="(?:https?:)?//[^"]*"', path.read_text())
+        assert not remote, (path, remote[:2])
+    assert book.leaks(site) == []
+
+    shown = next(ln.strip() for c in nbio.read(LESSONS["00"]).cells for ln in nbio.source(c).splitlines()
+                 if c.cell_type == "code" and len(ln.strip()) > 30)
+    monkeypatch.setattr(book, "secret_lines", lambda: {shown: "a planted answer"})
+    with pytest.raises(book.BookError, match=f"(?s)site removed.*a planted answer: `{re.escape(shown)}` is published"):
+        book.build(run_dir, tmp_path / "book")
+    assert not site.exists()
+
+
+def test_the_command_says_what_is_wrong(tmp_path, capsys):
+    assert cli.main(["book", "--from", str(tmp_path / "nowhere")]) == 2
+    assert "--from" in capsys.readouterr().err
+    assert cli.main(["book", "--from", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
+    assert "neither report.json nor run.json" in capsys.readouterr().err
+    assert cli.main(["book", "--lessons", "77", "--out", str(tmp_path / "out")]) == 2
+    assert "77" in capsys.readouterr().err
