@@ -17,7 +17,7 @@ import nbformat
 import pytest
 
 from course_lib import notebook as nbio
-from course_lib.instructor import book, catalog, cli
+from course_lib.instructor import book, book_leaks, catalog, cli
 
 LESSONS = catalog.lessons("notebooks")
 PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
@@ -39,6 +39,8 @@ def _widget_state():
 def _executed_lesson(run_dir, key="00", widget_state=True):
     """A copy of lesson ``key`` as a run would leave it: its first code cell shows a figure and a widget."""
     nb = nbformat.read(LESSONS[key], as_version=4)
+    for n, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        cell.execution_count = n + 1                                  # Run All from a fresh kernel
     first = next(c for c in nb.cells if c.cell_type == "code")
     first.outputs = [nbformat.from_dict(o) for o in [
         {"output_type": "display_data", "metadata": {}, "data": {"image/png": PNG, "text/plain": "<Figure>"}},
@@ -76,18 +78,30 @@ def test_widgets_are_written_out_as_their_saved_state(tmp_path):
     assert any("state was not saved" in t for t in texts) and not any("VBox(" in t for t in texts)
 
 
-def test_a_changed_lesson_is_refused(tmp_path):
+def _ran(nb):
+    for n, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        cell.execution_count = n + 1
+    return nb
+
+
+def test_only_a_clean_run_of_the_unchanged_lesson_is_shown():
     lesson = nbformat.read(LESSONS["03"], as_version=4)
-    answered = copy.deepcopy(lesson)
+    assert book.why_not_shown(_ran(copy.deepcopy(lesson)), lesson) == ""     # outputs and metadata may differ
+    answered = _ran(copy.deepcopy(lesson))
     quiz = next(i for i, c in enumerate(answered.cells) if "from course_lib.lessons.quizzes import quiz" in c.source)
     answered.cells[quiz].source = answered.cells[quiz].source.replace("None", "42", 1)
-    with pytest.raises(book.BookError, match=rf"copy: cell {quiz} \(`.*differs from the lesson in notebooks/"):
-        book.check_unchanged(answered, lesson, "copy")
-    shorter = copy.deepcopy(lesson)
+    assert book.why_not_shown(answered, lesson).startswith(f"its cell {quiz} (`")
+    shorter = _ran(copy.deepcopy(lesson))
     shorter.cells = shorter.cells[:-1]
-    with pytest.raises(book.BookError, match="cells, the lesson"):
-        book.check_unchanged(shorter, lesson, "copy")
-    book.check_unchanged(copy.deepcopy(lesson), lesson, "copy")      # outputs and metadata may differ, cells not
+    assert "cells are not the lesson's" in book.why_not_shown(shorter, lesson)
+    failed = _ran(copy.deepcopy(lesson))
+    at = next(i for i, c in enumerate(failed.cells) if c.cell_type == "code")
+    failed.cells[at].outputs = [nbformat.from_dict({"output_type": "error", "ename": "RuntimeError",
+                                                    "evalue": "rank 1 timed out", "traceback": []})]
+    assert book.why_not_shown(failed, lesson) == f"it stopped at cell {at} (RuntimeError: rank 1 timed out)"
+    rerun = _ran(copy.deepcopy(lesson))
+    rerun.cells[at].execution_count = 7                  # a cell run again, or out of order: stale outputs possible
+    assert "did not run once each, in order" in book.why_not_shown(rerun, lesson)
 
 
 def test_a_run_without_its_facts_is_refused_and_a_lab_report_is_read(tmp_path):
@@ -96,9 +110,11 @@ def test_a_run_without_its_facts_is_refused_and_a_lab_report_is_read(tmp_path):
     (tmp_path / "report.json").write_text(json.dumps({
         "hardware": "GPU: NVIDIA H200, nccl", "created": "2026-12-01T09:00:00",
         "inventory": [["torch", "2.14.1"], ["python", "3.11.7"], ["CUDA", "13.0"], ["GPU 0", "H200"]],
-        "lessons": [{"key": "03", "sizes": "GPU sizes where the ranks get a GPU each (1 GPUs), else CPU sizes"}]}))
+        "lessons": [{"key": "03", "status": "ok", "sizes": "GPU sizes where the ranks get a GPU each (1 GPUs), "
+                     "else CPU sizes"}]}))
     facts = book.run_facts(tmp_path)
     assert facts["versions"] == {"python": "3.11.7", "CUDA": "13.0"} and facts["sizes"]["03"].startswith("GPU")
+    assert facts["ran"] == {"03"} and facts["failed"] == {}
 
 
 def _site_with(tmp_path, text):
@@ -112,26 +128,65 @@ def _site_with(tmp_path, text):
 
 
 def test_leaks_finds_an_answer_line_however_the_page_writes_it(tmp_path):
-    secret = book.secret_lines()
+    secret = book_leaks.secret_lines()
     solved = {s: w for s, w in secret.items() if "an answer in" in w}
     hidden = {s: w for s, w in secret.items() if "a hidden test" in w}
     assert len(solved) > 100 and hidden, "every lesson's solutions have answer lines; some have hidden tests"
+    assert "q_peak = 4" in solved, "a short quiz answer is searched for too"
     line, where = next((s, w) for s, w in solved.items() if "<" in s or "'" in s or '"' in s)
-    found = book.leaks(_site_with(tmp_path, line))
+    found = book_leaks.leaks(_site_with(tmp_path, line))
     assert len(found) == 1 and found[0].startswith(where) and "published in page.html" in found[0], found
-    public = next(ln.strip() for c in nbio.read(LESSONS["03"]).cells for ln in nbio.source(c).splitlines()
-                  if len(ln.strip()) > 30)
     shutil.rmtree(tmp_path / "site")
-    assert book.leaks(_site_with(tmp_path, public)) == [] and public not in secret
+    assert book_leaks.leaks(_site_with(tmp_path, "x = 1")) == []
+    # in a notebook the site serves for download: an output (a printed answer) counts as well as a source
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(answer)", outputs=[nbformat.from_dict(
+        {"output_type": "stream", "name": "stdout", "text": f"before\n{line}\nafter\n"})])])
+    nbformat.write(nb, tmp_path / "site" / "copy.ipynb")
+    assert [f for f in book_leaks.leaks(tmp_path / "site") if "copy.ipynb" in f], "a leak in an output"
 
 
-def test_every_course_notebook_cell_has_an_id():
-    """nbformat 4.5 requires cell ids (a missing one becomes an error in a future nbformat): the book and JupyterLab
-    read these files."""
+def test_exercise_pages_come_from_solutions_not_from_the_exercises_folder():
+    """A learner's clone may hold exercises/ filled in: the pages are what `course build` makes of solutions/, each
+    with one note cell added."""
+    from course_lib.grading.build import expected_files
+
+    pages = book.exercise_pages()
+    built = expected_files(cli.ROOT / "solutions")
+    assert sorted(pages) == sorted(built)
+    for name, page in pages.items():
+        cells = nbformat.reads(built[name], as_version=4).cells
+        assert [c.source for c in page.cells[:1] + page.cells[2:]] == [c.source for c in cells], name
+        assert "the reference answers are not published" in page.cells[1].source
+
+
+def test_a_lab_report_folder_shows_only_its_lessons_that_passed(tmp_path):
+    """A reused folder holds older copies (a lab report of other lessons, or an earlier run): only the lessons its
+    report lists count, and one it lists as failed is shown as text with the error."""
+    run_dir = tmp_path / "lab"
+    run_dir.mkdir()
+    for key in ("00", "02"):
+        _executed_lesson(run_dir, key)
+    (run_dir / "report.json").write_text(json.dumps({
+        "hardware": "CPU: Today", "created": "2026-12-02T10:00:00", "inventory": [["python", "3.11.7"]],
+        "lessons": [{"key": "02", "status": "failed", "error": "cell 12: RuntimeError: rank 1 timed out",
+                     "sizes": "CPU sizes"}]}))
+    facts = book.run_facts(run_dir)
+    assert list(book.executed_lessons(run_dir, facts)) == ["02"]          # 00's copy is not this report's
+    src = tmp_path / "src"
+    made = book.write_source(src, run_dir)
+    assert made["with_outputs"] == [] and made["without"]["00"] == "this run did not include it"
+    assert made["without"]["02"] == "it failed in this run: cell 12: RuntimeError: rank 1 timed out"
+
+
+def test_every_course_notebook_is_valid():
+    """The book, nbformat and JupyterLab read these files: each must pass nbformat's schema (cell ids, which nbformat
+    4.5 requires; no outputs on a markdown cell), not only load."""
     for folder in ("notebooks", "solutions", "exercises"):
         for path in sorted((cli.ROOT / folder).glob("*.ipynb")):
-            cells = json.loads(path.read_text())["cells"]
-            assert all("id" in c for c in cells), (path.name, [i for i, c in enumerate(cells) if "id" not in c])
+            nb = json.loads(path.read_text())
+            assert all("id" in c for c in nb["cells"]), (path.name, [i for i, c in enumerate(nb["cells"])
+                                                                     if "id" not in c])
+            nbformat.validate(nb, version=4)             # (it would add a missing id, with a warning)
 
 
 def test_the_book_of_a_run(tmp_path, monkeypatch):
@@ -148,7 +203,7 @@ def test_the_book_of_a_run(tmp_path, monkeypatch):
     assert page.count("<img") >= 2 and "GPU = H100" in page and "step 18.8 ms" in page
     assert re.search(r'href="../_downloads/[0-9a-f]+/00_getting_started.ipynb"', page), "the run-this-lesson link"
     other = (site / "notebooks" / f"{LESSONS['03'].stem}.html").read_text()
-    assert "This lesson was not run for this book" in other and "The outputs below" not in other
+    assert "outputs are not in this book (this run did not include it)" in other and "The outputs below" not in other
     exercise = (site / "exercises" / f"{LESSONS['03'].stem}.html").read_text()
     assert "the reference answers are not published" in exercise and "NotImplementedError" in exercise
     glossary = (site / "glossary.html").read_text()
@@ -159,11 +214,11 @@ def test_the_book_of_a_run(tmp_path, monkeypatch):
     for path in site.rglob("*.html"):
         remote = re.findall(r'<(?:script|link)[^>]*(?:src|href)="(?:https?:)?//[^"]*"', path.read_text())
         assert not remote, (path, remote[:2])
-    assert book.leaks(site) == []
+    assert book_leaks.leaks(site) == [] and not [p for p in site.rglob("_sources/*") if p.is_file()]
 
     shown = next(ln.strip() for c in nbio.read(LESSONS["00"]).cells for ln in nbio.source(c).splitlines()
                  if c.cell_type == "code" and len(ln.strip()) > 30)
-    monkeypatch.setattr(book, "secret_lines", lambda: {shown: "a planted answer"})
+    monkeypatch.setattr(book_leaks, "secret_lines", lambda: {shown: "a planted answer"})
     with pytest.raises(book.BookError, match=f"(?s)site removed.*a planted answer: `{re.escape(shown)}` is published"):
         book.build(run_dir, tmp_path / "book")
     assert not site.exists()
@@ -176,3 +231,20 @@ def test_the_command_says_what_is_wrong(tmp_path, capsys):
     assert "neither report.json nor run.json" in capsys.readouterr().err
     assert cli.main(["book", "--lessons", "77", "--out", str(tmp_path / "out")]) == 2
     assert "77" in capsys.readouterr().err
+    mine = tmp_path / "mine"
+    (mine / "site").mkdir(parents=True)                   # a folder `course book` did not write is not replaced
+    (mine / "site" / "keep.txt").write_text("mine")
+    with pytest.raises(book.BookError, match="site exists and `course book` did not write it: choose another --out"):
+        book.build(_run_dir(tmp_path), mine)
+    assert (mine / "site" / "keep.txt").read_text() == "mine"
+
+
+def test_missing_tools_are_named_with_the_fix(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "sphinx-mathjax-offline"
+                        else real(name))
+    assert cli.main(["book", "--from", "."]) == 2
+    err = capsys.readouterr().err
+    assert "sphinx-mathjax-offline missing" in err and "pip install -e '.[book]'" in err

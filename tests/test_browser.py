@@ -152,9 +152,11 @@ def _serve(site):
 
 
 def test_book_of_the_lessons_run_above(lab, capsys):
-    """`course book --from` the executed lessons above: the site builds, publishes no answer (the build checks, and
-    refuses a leak: tests/test_book.py), and the index and three lessons render in Chromium with every request
-    outside the site refused: figures loaded, math typeset by the bundled MathJax, navigation, search and outline."""
+    """`course book --from` the executed lessons above: the site builds, publishes no answer (the build searches it,
+    and a planted leak stops it: tests/test_book.py), every lesson page of the run has its figures, and the index and
+    three lessons render in Chromium with every request outside the site refused: figures loaded, math typeset by
+    the bundled MathJax, the side bar's lessons and exercises, the page outline, next/previous links; and the search
+    page finds lesson 03 for "bubble"."""
     from course_lib.instructor import book
 
     for key in BOOK_PAGES:
@@ -168,6 +170,7 @@ def test_book_of_the_lessons_run_above(lab, capsys):
               f"{made['megabytes']:.1f} MB, lessons with outputs {', '.join(made['with_outputs'])}; "
               f"screenshots in {out}", flush=True)
     assert set(BOOK_PAGES) <= set(made["with_outputs"]), made
+    assert all(why == "this run did not include it" for why in made["without"].values()), made["without"]
     for key in made["with_outputs"]:             # every page with a run's outputs has its figures
         page = (site / "notebooks" / f"{LESSONS[key].stem}.html").read_text()
         assert page.count("<img") >= 2 and "The outputs below come from a run on" in page, key
@@ -194,6 +197,12 @@ def test_book_of_the_lessons_run_above(lab, capsys):
             if key != "index":
                 assert seen["images"] >= 2 and seen["outline"] >= 3 and seen["next"], where
                 assert seen["math"] > 0 and seen["typeset"] == seen["math"] and not seen["raw_math"], where
+        page = context.new_page()                 # the search box's page finds the lesson on pipeline bubbles
+        page.goto(base + "search.html?q=bubble", wait_until="networkidle")
+        page.wait_for_selector("ul.search li a", timeout=30_000)
+        hits = page.evaluate("() => [...document.querySelectorAll('ul.search li a')].map(a => a.getAttribute('href'))")
+        page.screenshot(path=str(out / "search.png"))
+        assert f"notebooks/{LESSONS['03'].stem}.html" in hits, hits
     finally:
         context.close()
         server.shutdown()

@@ -7,20 +7,21 @@
 The site (``OUT/site/index.html``, default ``runs/book/site``) is built by Sphinx with myst-nb and
 sphinx-book-theme from the executed notebooks, without executing them again. It holds the course index, every
 lesson (plots, tables, each widget as it was left: its controls' values and its output), each lesson's exercises as
-the learner gets them (no reference answer, no hidden test: they come from ``exercises/``), and the glossary as one
-page. Each lesson page says which machine, versions, sizes and date its numbers came from, and links to the lesson's
+`course build` writes them from ``solutions/`` (no reference answer, no hidden test), and the glossary as one page.
+Each lesson page says which machine, versions, sizes and date its numbers came from, and links to the lesson's
 notebook to run it. MathJax comes from the sphinx-mathjax-offline package and lands in the site: the site renders
 with no network. Served by any static web server (docs/INSTRUCTORS.md says how to publish it).
 
-What may not be published is checked twice: an executed lesson whose code differs from ``notebooks/`` (a quiz
-answered, a prediction filled in) is refused before the build, and the built site is searched for every solution's
-answer lines and hidden tests (`leaks`); either stops the build with the file to look at.
+A lesson's outputs are published only when its executed copy has the lesson's cells unchanged (no answered quiz or
+filled prediction), ran each code cell once, in order, with no error, and belongs to the run (a lab report lists it);
+otherwise its page is its text, saying why. After the build the site is searched for every line of the solutions'
+answers and hidden tests (`book_leaks`): one found removes the site and names the line and the file.
 """
 
 from __future__ import annotations
 
 import datetime
-import html
+import importlib.util
 import json
 import re
 import shutil
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 from course_lib import notebook as nbio
+from course_lib.instructor import book_leaks
 from course_lib.instructor.catalog import lessons
 
 ROOT = Path(__file__).resolve().parents[2]           # the repository (this is course_lib/instructor/)
@@ -36,11 +38,14 @@ RUN_INFO = "run.json"          # what a run of the lessons was: written by the b
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 TITLE = "Training LLMs at scale, hands-on"
+TOOLS = ("sphinx", "myst_nb", "sphinx_book_theme", "sphinx-mathjax-offline")   # the `book` extra, as imported
+MARKER = ".course-book"        # in OUT: what `course book` wrote there, it may replace
+BUILT = ("source", "site", "doctrees", "jupyter_execute")
 
 CONF = '''# Written by `course book` (course_lib/instructor/book.py): Sphinx's configuration of the course's book.
 project = {title!r}
 author = "the course's authors"
-extensions = ["myst_nb", "sphinx-mathjax-offline"]    # MathJax 3 copied into the site: it renders offline
+extensions = ["myst_nb", "sphinx-mathjax-offline", "sphinx.ext.githubpages"]   # MathJax 3 in the site; .nojekyll
 html_theme = "sphinx_book_theme"
 html_title = {title!r}
 html_theme_options = {{"show_toc_level": 2, "use_download_button": False, "home_page_in_toc": True}}
@@ -51,6 +56,7 @@ nb_merge_streams = True
 myst_enable_extensions = ["dollarmath", "amsmath"]
 myst_heading_anchors = 3
 exclude_patterns = ["_run", "_build"]
+html_copy_source = False              # no _sources/ copies: the pages are what is published
 suppress_warnings = ["myst.header", "misc.highlighting_failure"]
 '''
 
@@ -74,41 +80,57 @@ def describe_run(sizes: str) -> dict:
 
 
 def run_facts(run_dir: Path) -> dict:
-    """The facts of the run in ``run_dir``: its ``report.json`` (`course lab-report`) or ``run.json``."""
+    """The facts of the run in ``run_dir``: its ``report.json`` (`course lab-report`: only the lessons it lists
+    belong to it, the folder may hold older copies) or ``run.json`` (a folder of one run: the browser test's)."""
     for name in ("report.json", RUN_INFO):
         if (run_dir / name).exists():
             facts = json.loads((run_dir / name).read_text())
-            sizes = {r["key"]: r.get("sizes", "") for r in facts.get("lessons", [])}
+            listed = facts.get("lessons")
             versions = {k: v for k, v in facts.get("inventory", []) if k in ("python", "CUDA", "NCCL")}
             return {"hardware": facts.get("hardware", "unknown hardware"), "created": facts.get("created", ""),
-                    "sizes": sizes, "default_sizes": facts.get("sizes", ""), "versions": versions}
+                    "sizes": {r["key"]: r.get("sizes", "") for r in listed or []},
+                    "default_sizes": facts.get("sizes", ""), "versions": versions,
+                    "ran": None if listed is None else {r["key"] for r in listed},
+                    "failed": {r["key"]: f"it failed in this run: {r.get('error') or r.get('status')}"
+                               for r in listed or [] if r.get("status") != "ok"}}
     raise BookError(f"{run_dir} has neither report.json nor {RUN_INFO}, so its pages could not say where their "
                     "numbers came from: give --from a `course lab-report` folder (or run `course book` without --from)")
 
 
-def executed_lessons(run_dir: Path) -> dict[str, Path]:
-    """{'03': run_dir/03_pipeline_parallel.executed.ipynb or .../03_pipeline_parallel.ipynb} for every lesson found."""
+def executed_lessons(run_dir: Path, facts: dict | None = None) -> dict[str, Path]:
+    """{'03': run_dir/03_pipeline_parallel.executed.ipynb or .../03_pipeline_parallel.ipynb} for every lesson of
+    the run found there (with ``facts``, only the lessons its report lists)."""
     found = {}
+    ran = (facts or {}).get("ran")
     for key, lesson in lessons("notebooks").items():
         for name in (f"{lesson.stem}.executed.ipynb", lesson.name):
-            if (run_dir / name).exists():
+            if (run_dir / name).exists() and (ran is None or key in ran):
                 found[key] = run_dir / name
                 break
     return found
 
 
-def check_unchanged(executed, lesson, where: str) -> None:
-    """The executed copy holds the lesson's own cells: a changed cell (an answered quiz, a filled prediction, an older
-    course) would publish it. Raises BookError naming the first changed cell."""
+def why_not_shown(executed, lesson) -> str:
+    """Why the outputs of ``executed`` may not stand for ``lesson`` ('' when they may): a cell differs (an answered
+    quiz, a filled prediction, an older course), the run stopped at an error, or its cells did not run once each in
+    order from a fresh kernel (outputs left over from an earlier state of a cell)."""
     mine = [(c.cell_type, nbio.source(c)) for c in lesson.cells]
     theirs = [(c.cell_type, nbio.source(c)) for c in executed.cells]
+    if len(mine) != len(theirs):
+        return f"its {len(theirs)} cells are not the lesson's {len(mine)} (an older or changed copy)"
     for i, (a, b) in enumerate(zip(mine, theirs)):
         if a != b:
             first = (b[1].strip().splitlines() or [""])[0][:60]
-            raise BookError(f"{where}: cell {i} (`{first}`) differs from the lesson in notebooks/; a book shows the "
-                            "lessons as published (no answered quiz or prediction): run the unchanged lessons again")
-    if len(mine) != len(theirs):
-        raise BookError(f"{where} has {len(theirs)} cells, the lesson {len(mine)}: run the current lessons again")
+            return f"its cell {i} (`{first}`) differs from the lesson's (an answered or changed copy)"
+    code = [c for c in executed.cells if c.cell_type == "code"]
+    for i, cell in enumerate(executed.cells):
+        error = next((o for o in cell.get("outputs", []) if o.get("output_type") == "error"), None)
+        if error is not None:
+            return f"it stopped at cell {i} ({error.get('ename')}: {str(error.get('evalue', ''))[:80]})"
+    counts = [c.get("execution_count") for c in code]
+    if counts != list(range(1, len(code) + 1)):
+        return "its cells did not run once each, in order, from a fresh kernel"
+    return ""
 
 
 # ------------------------------------------------------------------------------------------ the pages
@@ -176,20 +198,22 @@ def _markdown_cell(text: str) -> dict:
 
 
 def lesson_page(lesson: Path, executed: Path | None, facts: dict) -> tuple:
-    """The lesson's page: the executed copy (widgets written out) under a note on where its numbers came from and
-    how to run it; without an executed copy, the lesson's text with a note that this run did not include it."""
+    """(the lesson's page, widgets written out, why it has no outputs or ''): the executed copy, its widgets written
+    out, under a note on where its numbers came from and how to run it; else the lesson's text, saying why."""
     import nbformat
 
     clean = nbformat.read(lesson, as_version=4)
     key = lesson.name[:2]
-    run_it = (f"**Run this lesson:** {{download}}`its notebook <../_run/{lesson.name}>`, or, in a clone of the "
-              f"course, `python3 course.py lab` and open `notebooks/{lesson.name}`.")
-    nb = nbformat.read(executed, as_version=4) if executed is not None else None
-    if nb is None or not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"):  # a lesson that failed
-        nb, widgets = clean, 0
-        note = f"This lesson was not run for this book: its text only, without outputs. {run_it}"
+    run_it = (f"**Run this lesson:** in a clone of the course, `python3 course.py lab` opens JupyterLab; the lesson "
+              f"is `notebooks/{lesson.name}` ({{download}}`download it <../_run/{lesson.name}>`: it runs where the "
+              "course's package is installed).")
+    nb, widgets = (nbformat.read(executed, as_version=4), 0) if executed is not None else (None, 0)
+    why = facts.get("failed", {}).get(key, "") if nb is not None else "this run did not include it"
+    why = why or why_not_shown(nb, clean)
+    if why:
+        nb = clean
+        note = f"This lesson's outputs are not in this book ({why}): its text only. {run_it}"
     else:
-        check_unchanged(nb, clean, str(executed))
         widgets = static_widgets(nb)
         versions = ", ".join(f"{k} {v}" for k, v in facts["versions"].items())
         sizes = facts["sizes"].get(key) or facts["default_sizes"] or "the sizes this machine chose"
@@ -199,19 +223,25 @@ def lesson_page(lesson: Path, executed: Path | None, facts: dict) -> tuple:
     title = next((i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and
                   nbio.source(c).lstrip().startswith("# ")), -1)
     nb.cells.insert(title + 1, nbformat.from_dict(_markdown_cell(f"```{{note}}\n{note}\n```")))
-    return nb, widgets
+    return nb, widgets, why
 
 
-def exercise_page(path: Path):
-    """The learner's copy of the lesson's exercises (answers and hidden tests are not in it), with a note."""
+def exercise_pages() -> dict[str, object]:
+    """{file name: page} of every lesson's exercises as `course build` writes them from ``solutions/`` (answers
+    stubbed, hidden tests removed; never the ``exercises/`` folder, which a learner may have filled in), with a note."""
     import nbformat
 
-    nb = nbformat.read(path, as_version=4)
-    note = (f"The graded exercises of lesson {path.name[:2]}, as a learner gets them: the reference answers are not "
-            f"published. Do them in JupyterLab (`exercises/{path.name}` in a clone of the course); "
-            "`course grade` marks them.")
-    nb.cells.insert(1, nbformat.from_dict(_markdown_cell(f"```{{note}}\n{note}\n```")))
-    return nb
+    from course_lib.grading.build import expected_files
+
+    pages = {}
+    for name, text in expected_files(ROOT / "solutions").items():
+        nb = nbformat.reads(text, as_version=4)
+        note = (f"The graded exercises of lesson {name[:2]}, as a learner gets them: the reference answers are not "
+                f"published. Do them in JupyterLab (`exercises/{name}` in a clone of the course); `course grade` "
+                "marks them.")
+        nb.cells.insert(1, nbformat.from_dict(_markdown_cell(f"```{{note}}\n{note}\n```")))
+        pages[name] = nb
+    return pages
 
 
 def glossary_page(pages: dict[str, str]) -> str:
@@ -231,7 +261,7 @@ def glossary_page(pages: dict[str, str]) -> str:
                       *table[:2], *(link(r) for r in table[2:])]) + "\n"
 
 
-def index_page(keys: list[str], facts: dict | None) -> str:
+def index_page(keys: list[str], exercises: list[str], facts: dict | None) -> str:
     """The book's first page: the course index's text (its links made the book's) and the table of contents."""
     index = nbio.read(ROOT / "notebooks" / "index.ipynb")
     text = "\n\n".join(nbio.source(c) for c in index.cells if c.cell_type == "markdown")
@@ -242,7 +272,7 @@ def index_page(keys: list[str], facts: dict | None) -> str:
     toc = ["", "```{toctree}", ":caption: Lessons", ":hidden:", "",
            *(f"notebooks/{lessons('notebooks')[k].stem}" for k in keys), "```", "",
            "```{toctree}", ":caption: Exercises", ":hidden:", "",
-           *(f"exercises/{lessons('exercises')[k].stem}" for k in keys if k in lessons("exercises")), "```", "",
+           *(f"exercises/{name.removesuffix('.ipynb')}" for name in exercises), "```", "",
            "```{toctree}", ":caption: Reference", ":hidden:", "", "glossary", "```", ""]
     return text + made + "\n" + "\n".join(toc)
 
@@ -250,29 +280,32 @@ def index_page(keys: list[str], facts: dict | None) -> str:
 # ------------------------------------------------------------------------------------------ building
 
 def write_source(src: Path, run_dir: Path | None) -> dict:
-    """Write the book's Sphinx project into ``src``; returns what went in (lessons with outputs, widgets, facts)."""
+    """Write the book's Sphinx project into ``src``; returns what went in (lessons with outputs and why the others
+    have none, widgets, the run's facts)."""
     import nbformat
 
-    if src.exists():
-        shutil.rmtree(src)
     for sub in ("notebooks", "exercises", "_run"):
         (src / sub).mkdir(parents=True)
-    facts = run_facts(run_dir) if run_dir is not None else None
-    executed = executed_lessons(run_dir) if run_dir is not None else {}
+    facts = run_facts(run_dir) if run_dir is not None else {}
+    executed = executed_lessons(run_dir, facts) if run_dir is not None else {}
     found = lessons("notebooks")
-    widgets = 0
+    widgets, without = 0, {}
     for key, lesson in found.items():
-        nb, n = lesson_page(lesson, executed.get(key), facts or {})
+        nb, n, why = lesson_page(lesson, executed.get(key), facts)
         widgets += n
+        if why:
+            without[key] = why
         nbformat.write(nb, src / "notebooks" / lesson.name)
         shutil.copyfile(lesson, src / "_run" / lesson.name)
-    for key, path in lessons("exercises").items():
-        nbformat.write(exercise_page(path), src / "exercises" / path.name)
+    exercises = exercise_pages()
+    for name, nb in exercises.items():
+        nbformat.write(nb, src / "exercises" / name)
     pages = {k: f"notebooks/{p.stem}" for k, p in found.items()}
     (src / "glossary.md").write_text(glossary_page(pages), encoding="utf-8")
-    (src / "index.md").write_text(index_page(sorted(found), facts), encoding="utf-8")
+    (src / "index.md").write_text(index_page(sorted(found), sorted(exercises), facts), encoding="utf-8")
     (src / "conf.py").write_text(CONF.format(title=TITLE), encoding="utf-8")
-    return {"with_outputs": sorted(executed), "lessons": sorted(found), "widgets": widgets, "facts": facts}
+    return {"with_outputs": sorted(set(found) - set(without)), "without": without, "lessons": sorted(found),
+            "widgets": widgets, "facts": facts}
 
 
 def sphinx_build(src: Path, site: Path, log: Path) -> None:
@@ -289,82 +322,22 @@ def sphinx_build(src: Path, site: Path, log: Path) -> None:
         raise BookError(f"Sphinx failed (exit code {status}); the end of {log}:\n{tail}")
 
 
-def secret_lines() -> dict[str, str]:
-    """{line: where it comes from} for every line that must not be published: the solutions' answer regions and
-    hidden tests, less the lines the lessons or the learners' copies show anyway (a ``return out``, say)."""
-    from course_lib.grading import authoring
-
-    public = set()
-    for folder in ("notebooks", "exercises"):
-        for path in lessons(folder).values():
-            for cell in nbio.read(path).cells:
-                public.update(ln.strip() for ln in nbio.source(cell).splitlines())
-    secret = {}
-    for key, path in lessons("solutions").items():
-        for i, cell in enumerate(nbio.read(path).cells):
-            src = nbio.source(cell)
-            info = authoring.test_info(cell)
-            if info and info["hidden"]:
-                lines, what = src.splitlines(), "a hidden test"
-            elif authoring.has_solution(cell):
-                inside, lines = False, []
-                for ln in src.splitlines():
-                    if ln.strip().startswith(authoring.END):
-                        inside = False
-                    if inside:
-                        lines.append(ln)
-                    if ln.strip().startswith(authoring.BEGIN):
-                        inside = True
-                what = "an answer"
-            else:
-                continue
-            for ln in lines:
-                s = ln.strip()
-                if len(s) >= 16 and not s.startswith("#") and s not in public:
-                    secret.setdefault(s, f"{what} in solutions/{path.name}, cell {i}")
-    return secret
-
-
-def site_lines(site: Path) -> dict[str, str]:
-    """{stripped line: a file of the site that shows it}: the text of every page (tags removed), source copy and
-    notebook the site serves (its theme's and MathJax's files, ``_static/``, left out)."""
-    import nbformat
-
-    lines: dict[str, str] = {}
-    for path in sorted(site.rglob("*")):
-        if not path.is_file() or "_static" in path.relative_to(site).parts:
-            continue
-        if path.suffix in (".html", ".htm"):
-            text = html.unescape(re.sub(r"<[^>]+>", "", path.read_text(errors="replace")))
-        elif path.suffix == ".ipynb":
-            nb = nbformat.read(path, as_version=4)
-            text = "\n".join([nbio.source(c) for c in nb.cells] + [json.dumps(c.get("outputs", []), indent=0)
-                                                                     for c in nb.cells])
-        elif path.suffix in (".txt", ".md", ".js", ".json", ".py"):
-            text = path.read_text(errors="replace")
-        else:
-            continue
-        for ln in text.splitlines():
-            lines.setdefault(ln.strip(), str(path.relative_to(site)))
-    return lines
-
-
-def leaks(site: Path) -> list[str]:
-    """Every answer or hidden-test line of the solutions that the built site shows, with where (empty: none)."""
-    shown = site_lines(site)
-    return [f"{where}: `{line}` is published in {shown[line]}" for line, where in secret_lines().items()
-            if line in shown]
-
-
 def build(run_dir: Path | None, out: Path) -> dict:
     """Write the Sphinx project into ``out/source`` and build the site into ``out/site``; check it for leaks.
-    Returns what was built (pages, sizes, seconds)."""
+    Returns what was built (pages, sizes, seconds). What an earlier `course book` wrote in ``out`` is replaced;
+    a folder it did not write is refused."""
     t0 = time.perf_counter()
+    made_here = [out / name for name in BUILT if (out / name).exists()]
+    if made_here and not (out / MARKER).exists():
+        raise BookError(f"{made_here[0]} exists and `course book` did not write it: choose another --out")
+    for path in made_here:
+        shutil.rmtree(path)
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by `course book`: it replaces source/, site/, doctrees/, jupyter_execute/\n")
     made = write_source(out / "source", run_dir)
     site = out / "site"
     sphinx_build(out / "source", site, out / "sphinx.log")
-    found = leaks(site)
+    found = book_leaks.leaks(site)
     if found:
         shutil.rmtree(site)
         raise BookError("the site would publish what learners must not see (site removed):\n  " +
@@ -380,12 +353,10 @@ def main(args) -> int:
     from course_lib.instructor import lab_report
 
     out = Path(args.out)
-    try:
-        for module in ("sphinx", "myst_nb", "sphinx_book_theme"):
-            __import__(module)
-    except ImportError as exc:
-        print(f"course book: {exc.name} is missing: install the book's tools with `pip install -e '.[book]'` "
-              "(or `python3 course.py book`, which does it)", file=sys.stderr)
+    missing = [name for name in TOOLS if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"course book: {', '.join(missing)} missing: install the book's tools with `pip install -e '.[book]'` "
+              "(or run `python3 course.py book`, which does it)", file=sys.stderr)
         return 2
     run_dir = Path(args.from_dir) if args.from_dir else None
     if run_dir is not None and not run_dir.is_dir():
@@ -408,12 +379,14 @@ def main(args) -> int:
     except BookError as exc:
         print(f"course book: {exc}", file=sys.stderr)
         return 1
-    missing = sorted(set(made["lessons"]) - set(made["with_outputs"]))
     print(f"course book: built in {made['seconds']:.0f} s: {made['pages']} pages, {made['megabytes']:.1f} MB, "
-          f"{len(made['with_outputs'])} lesson(s) with the outputs of the run on {made['facts']['hardware']}"
-          + (f"; without outputs (not in that run): {', '.join(missing)}" if missing else "") +
-          f"\nopen {Path(made['site']) / 'index.html'}, or serve the folder: "
-          f"python3 -m http.server -d {made['site']}")
+          f"{len(made['with_outputs'])} lesson(s) with the outputs of the run on "
+          f"{made['facts'].get('hardware', 'no run')}")
+    if made["without"]:
+        print("  without outputs, their text only:\n" + "".join(f"    {k}: {why}\n" for k, why in made["without"].items())
+              + "  (a run of the current lessons that includes them: `course lab-report --lessons 00-12 --out DIR`, "
+              "then `course book --from DIR`)")
+    print(f"open {Path(made['site']) / 'index.html'}, or serve the folder: python3 -m http.server -d {made['site']}")
     return 0
 
 
