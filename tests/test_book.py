@@ -1,8 +1,10 @@
-"""`course book` (course_lib/instructor/book.py): the site is built from a run's executed lessons, says where their
-numbers came from, writes widgets out as their saved state, renders offline, and publishes no answer.
+"""`course book` (course_lib/instructor/book.py, book_leaks.py): the site is built from a run's executed lessons,
+shows a lesson's outputs only from a clean run of the current lesson, says where its numbers came from, writes
+widgets out as their saved state, loads no script or style sheet from the network, and stops when a line of an
+answer or hidden test is in it.
 
-The book of every lesson, opened in Chromium, is tests/test_browser.py's last test (it builds from the lessons that
-file ran); here a one-lesson run made by hand is enough, and no browser is needed.
+tests/test_browser.py's last test builds the book of every lesson that file ran and opens the index, three lessons
+and the search page in Chromium with the network refused; here a one-lesson run made by hand is enough, no browser.
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ def test_the_book_of_a_run(tmp_path, monkeypatch):
     glossary = (site / "glossary.html").read_text()
     assert "全归约" in glossary and f'href="notebooks/{LESSONS["03"].stem}.html"' in glossary
     index = (site / "index.html").read_text()
-    assert "CPU: Test Machine" in index and all(f"notebooks/{p.stem}.html" in index for p in LESSONS.values())
+    assert "CPU: Test Machine, 2 cores, torch 9.9, gloo, 2026-12-02, for lessons 00;" in index and all(f"notebooks/{p.stem}.html" in index for p in LESSONS.values())
     assert (site / "_static" / "mathjax" / "tex-chtml.js").exists()
     for path in site.rglob("*.html"):
         remote = re.findall(r'<(?:script|link)[^>]*(?:src|href)="(?:https?:)?//[^"]*"', path.read_text())

@@ -219,7 +219,7 @@ def lesson_page(lesson: Path, executed: Path | None, facts: dict) -> tuple:
         sizes = facts["sizes"].get(key) or facts["default_sizes"] or "the sizes this machine chose"
         note = (f"The outputs below come from a run on {facts['hardware']} ({versions}) at {sizes}, "
                 f"{facts['created'][:10] or 'date not recorded'}; every number and figure is that run's and yours "
-                f"will differ. Widgets are shown as they were left. {run_it}")
+                f"will differ.{' Widgets are shown as they were left.' if widgets else ''} {run_it}")
     title = next((i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and
                   nbio.source(c).lstrip().startswith("# ")), -1)
     nb.cells.insert(title + 1, nbformat.from_dict(_markdown_cell(f"```{{note}}\n{note}\n```")))
@@ -261,14 +261,15 @@ def glossary_page(pages: dict[str, str]) -> str:
                       *table[:2], *(link(r) for r in table[2:])]) + "\n"
 
 
-def index_page(keys: list[str], exercises: list[str], facts: dict | None) -> str:
+def index_page(keys: list[str], exercises: list[str], facts: dict, shown: list[str]) -> str:
     """The book's first page: the course index's text (its links made the book's) and the table of contents."""
     index = nbio.read(ROOT / "notebooks" / "index.ipynb")
     text = "\n\n".join(nbio.source(c) for c in index.cells if c.cell_type == "markdown")
     text = re.sub(r"\]\((\d\d_[a-z0-9_]+\.ipynb)\)", r"](notebooks/\1)", text)
     text = text.replace("](../exercises/", "](exercises/")
-    made = (f"\n\nThis book shows the outputs of a run on {facts['hardware']}, {facts['created'][:10]}; each lesson "
-            "page says so again, with its sizes." if facts else "")
+    made = (f"\n\nThis book shows the outputs of a run on {facts['hardware']}, {facts['created'][:10]}, for lessons "
+            f"{', '.join(shown) or 'none'}; each of their pages says so again, with its sizes. The other lessons' pages "
+            "hold their text and say why." if facts else "")
     toc = ["", "```{toctree}", ":caption: Lessons", ":hidden:", "",
            *(f"notebooks/{lessons('notebooks')[k].stem}" for k in keys), "```", "",
            "```{toctree}", ":caption: Exercises", ":hidden:", "",
@@ -302,10 +303,10 @@ def write_source(src: Path, run_dir: Path | None) -> dict:
         nbformat.write(nb, src / "exercises" / name)
     pages = {k: f"notebooks/{p.stem}" for k, p in found.items()}
     (src / "glossary.md").write_text(glossary_page(pages), encoding="utf-8")
-    (src / "index.md").write_text(index_page(sorted(found), sorted(exercises), facts), encoding="utf-8")
+    shown = sorted(set(found) - set(without))
+    (src / "index.md").write_text(index_page(sorted(found), sorted(exercises), facts, shown), encoding="utf-8")
     (src / "conf.py").write_text(CONF.format(title=TITLE), encoding="utf-8")
-    return {"with_outputs": sorted(set(found) - set(without)), "without": without, "lessons": sorted(found),
-            "widgets": widgets, "facts": facts}
+    return {"with_outputs": shown, "without": without, "lessons": sorted(found), "widgets": widgets, "facts": facts}
 
 
 def sphinx_build(src: Path, site: Path, log: Path) -> None:
