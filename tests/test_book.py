@@ -49,11 +49,26 @@ def _executed_lesson(run_dir, key="00", widget_state=True):
         {"output_type": "display_data", "metadata": {}, "data": {
             book.WIDGET_VIEW: {"model_id": "box", "version_major": 2, "version_minor": 0},
             "text/plain": "VBox(children=(Dropdown(...), FloatSlider(...), Output()))"}}]]
+    second = [c for c in nb.cells if c.cell_type == "code"][1]
+    second.outputs = [nbformat.from_dict({"output_type": "stream", "name": "stdout", "text": _held_back() + "\n"})]
     if widget_state:
         nb.metadata["widgets"] = {book.WIDGET_STATE: {"version_major": 2, "version_minor": 0,
                                                       "state": _widget_state()}}
     nbformat.write(nb, run_dir / f"{LESSONS[key].stem}.executed.ipynb")
     return nb
+
+
+def _held_back():
+    """What a lesson prints where it holds a reading back until the prediction is written (the learner's first run)."""
+    import contextlib
+    import io
+
+    from course_lib.lessons.display import after_prediction
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert after_prediction(None, lambda: None) is False
+    return out.getvalue().strip()
 
 
 def _run_dir(tmp_path, **kw):
@@ -203,6 +218,8 @@ def test_the_book_of_a_run(tmp_path, monkeypatch):
     assert "The outputs below come from a run on CPU: Test Machine, 2 cores, torch 9.9, gloo (python 3.11.7) at " \
            "quick CPU sizes, 2026-12-02" in page
     assert page.count("<img") >= 2 and "GPU = H100" in page and "step 18.8 ms" in page
+    assert _held_back().startswith(book.HELD_BACK) and "1 reading(s) that the lesson shows only once you have " \
+        "written your prediction are not here" in page
     assert re.search(r'href="../_downloads/[0-9a-f]+/00_getting_started.ipynb"', page), "the run-this-lesson link"
     other = (site / "notebooks" / f"{LESSONS['03'].stem}.html").read_text()
     assert "outputs are not in this book (this run did not include it)" in other and "The outputs below" not in other

@@ -39,6 +39,7 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 TITLE = "Training LLMs at scale, hands-on"
 TOOLS = ("sphinx", "myst_nb", "sphinx_book_theme", "sphinx-mathjax-offline")   # the `book` extra, as imported
+HELD_BACK = "-> write your prediction in the cell above"     # what lessons.display.after_prediction prints
 MARKER = ".course-book"        # in OUT: what `course book` wrote there, it may replace
 BUILT = ("source", "site", "doctrees", "jupyter_execute")
 
@@ -215,11 +216,17 @@ def lesson_page(lesson: Path, executed: Path | None, facts: dict) -> tuple:
         note = f"This lesson's outputs are not in this book ({why}): its text only. {run_it}"
     else:
         widgets = static_widgets(nb)
+        held = sum(HELD_BACK in str(o.get("text", "")) for c in nb.cells if c.cell_type == "code"
+                   for o in c.outputs)            # readings `lessons.display.after_prediction` kept for a prediction
         versions = ", ".join(f"{k} {v}" for k, v in facts["versions"].items())
         sizes = facts["sizes"].get(key) or facts["default_sizes"] or "the sizes this machine chose"
         note = (f"The outputs below come from a run on {facts['hardware']} ({versions}) at {sizes}, "
                 f"{facts['created'][:10] or 'date not recorded'}; every number and figure is that run's and yours "
-                f"will differ.{' Widgets are shown as they were left.' if widgets else ''} {run_it}")
+                f"will differ.{' Widgets are shown as they were left.' if widgets else ''}"
+                + (f" {held} reading(s) that the lesson shows only once you have written your prediction are not here "
+                   "(the run, like a learner's first, left the predictions empty): run the lesson to see them."
+                   if held else "") +
+                f" {run_it}")
     title = next((i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and
                   nbio.source(c).lstrip().startswith("# ")), -1)
     nb.cells.insert(title + 1, nbformat.from_dict(_markdown_cell(f"```{{note}}\n{note}\n```")))
