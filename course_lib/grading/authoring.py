@@ -44,6 +44,19 @@ def has_solution(cell: Any) -> bool:
     return cell.get("cell_type") == "code" and BEGIN in source(cell)
 
 
+def answer_lines(lines) -> list[str]:
+    """The lines inside the answer regions of ``lines`` (a source split into lines), the markers left out."""
+    out, inside = [], False
+    for line in lines:
+        if line.strip().startswith(BEGIN):
+            inside = True
+        elif line.strip().startswith(END):
+            inside = False
+        elif inside:
+            out.append(line)
+    return out
+
+
 def hints_of(src: str) -> list[list[str]]:
     """The stepped hints of the answer regions of ``src``: ``[[first hints...], [second hints...]]``."""
     steps: list[list[str]] = [[], []]

@@ -70,11 +70,10 @@ def _answer_values(src: str) -> list:
     """Values of the simple assignments in the answer regions of ``src`` (those that evaluate on their own)."""
     from course_lib.config import PRESETS, get_preset
 
-    values, inside = [], False
-    for line in src.split("\n"):
+    values = []
+    for line in authoring.answer_lines(src.split("\n")):
         stripped = line.strip()
-        inside = (inside or stripped.startswith(authoring.BEGIN)) and not stripped.startswith(authoring.END)
-        if inside and "=" in stripped and not stripped.startswith("#"):
+        if "=" in stripped and not stripped.startswith("#"):
             try:
                 node = ast.parse(stripped)
                 if isinstance(node.body[0], ast.Assign):

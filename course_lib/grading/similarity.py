@@ -139,15 +139,8 @@ def solution_answers(official) -> dict[str, str]:
     """{coding exercise: the official solution's answer regions (the lines between the markers)}."""
     out = {}
     for ex, srcs in _spans(official).items():
-        lines, inside = [], False
-        for line in _code_lines(srcs):
-            if line.strip().startswith(authoring.BEGIN):
-                inside = True
-            elif line.strip().startswith(authoring.END):
-                inside = False
-            elif inside and not authoring.HINT_RE.match(line):
-                lines.append(line)
-        out[ex] = "\n".join(lines)
+        lines = authoring.answer_lines(_code_lines(srcs))
+        out[ex] = "\n".join(line for line in lines if not authoring.HINT_RE.match(line))
     return out
 
 

@@ -21,6 +21,7 @@ answers and hidden tests (`book_leaks`): one found removes the site and names th
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.util
 import json
 import re
@@ -31,9 +32,8 @@ from pathlib import Path
 
 from course_lib import notebook as nbio
 from course_lib.instructor import book_leaks
-from course_lib.instructor.catalog import lessons
+from course_lib.instructor.catalog import ROOT, lessons
 
-ROOT = Path(__file__).resolve().parents[2]           # the repository (this is course_lib/instructor/)
 RUN_INFO = "run.json"          # what a run of the lessons was: written by the browser test's lab; report.json alike
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
@@ -195,7 +195,9 @@ def _markdown_output(text: str) -> dict:
 
 
 def _markdown_cell(text: str) -> dict:
-    return {"cell_type": "markdown", "metadata": {}, "source": text, "id": f"book-{abs(hash(text)) % 10**8}"}
+    """A markdown cell whose id comes from its text (the same in every build)."""
+    return {"cell_type": "markdown", "metadata": {}, "source": text,
+            "id": "book-" + hashlib.sha1(text.encode()).hexdigest()[:8]}
 
 
 def lesson_page(lesson: Path, executed: Path | None, facts: dict) -> tuple:
@@ -268,17 +270,18 @@ def glossary_page(pages: dict[str, str]) -> str:
                       *table[:2], *(link(r) for r in table[2:])]) + "\n"
 
 
-def index_page(keys: list[str], exercises: list[str], facts: dict, shown: list[str]) -> str:
-    """The book's first page: the course index's text (its links made the book's) and the table of contents."""
+def index_page(pages: list[str], exercises: list[str], facts: dict, shown: list[str]) -> str:
+    """The book's first page: the course index's text (its links made the book's) and the table of contents
+    (``pages``: the lessons' file stems, in order)."""
     index = nbio.read(ROOT / "notebooks" / "index.ipynb")
     text = "\n\n".join(nbio.source(c) for c in index.cells if c.cell_type == "markdown")
     text = re.sub(r"\]\((\d\d_[a-z0-9_]+\.ipynb)\)", r"](notebooks/\1)", text)
     text = text.replace("](../exercises/", "](exercises/")
     made = (f"\n\nThis book shows the outputs of a run on {facts['hardware']}, {facts['created'][:10]}, for lessons "
-            f"{', '.join(shown) or 'none'}; each of their pages says so again, with its sizes. The other lessons' pages "
-            "hold their text and say why." if facts else "")
+            f"{', '.join(shown) or 'none'}; each of their pages says so again, with its sizes. The other lessons' "
+            "pages hold their text and say why." if facts else "")
     toc = ["", "```{toctree}", ":caption: Lessons", ":hidden:", "",
-           *(f"notebooks/{lessons('notebooks')[k].stem}" for k in keys), "```", "",
+           *(f"notebooks/{stem}" for stem in pages), "```", "",
            "```{toctree}", ":caption: Exercises", ":hidden:", "",
            *(f"exercises/{name.removesuffix('.ipynb')}" for name in exercises), "```", "",
            "```{toctree}", ":caption: Reference", ":hidden:", "", "glossary", "```", ""]
@@ -311,7 +314,8 @@ def write_source(src: Path, run_dir: Path | None) -> dict:
     pages = {k: f"notebooks/{p.stem}" for k, p in found.items()}
     (src / "glossary.md").write_text(glossary_page(pages), encoding="utf-8")
     shown = sorted(set(found) - set(without))
-    (src / "index.md").write_text(index_page(sorted(found), sorted(exercises), facts, shown), encoding="utf-8")
+    (src / "index.md").write_text(index_page([p.stem for p in found.values()], sorted(exercises), facts, shown),
+                                  encoding="utf-8")
     (src / "conf.py").write_text(CONF.format(title=TITLE), encoding="utf-8")
     return {"with_outputs": shown, "without": without, "lessons": sorted(found), "widgets": widgets, "facts": facts}
 
@@ -320,8 +324,6 @@ def sphinx_build(src: Path, site: Path, log: Path) -> None:
     """Run Sphinx (html) from ``src`` into ``site``; its messages go to ``log``; BookError on failure."""
     import subprocess
 
-    if site.exists():
-        shutil.rmtree(site)
     with open(log, "w") as f:
         status = subprocess.call([sys.executable, "-m", "sphinx", "-b", "html", "-q", str(src),
                                   str(site), "-d", str(src.parent / "doctrees")], stdout=f, stderr=subprocess.STDOUT)
@@ -391,7 +393,8 @@ def main(args) -> int:
           f"{len(made['with_outputs'])} lesson(s) with the outputs of the run on "
           f"{made['facts'].get('hardware', 'no run')}")
     if made["without"]:
-        print("  without outputs, their text only:\n" + "".join(f"    {k}: {why}\n" for k, why in made["without"].items())
+        print("  without outputs, their text only:\n"
+              + "".join(f"    {k}: {why}\n" for k, why in made["without"].items())
               + "  (a run of the current lessons that includes them: `course lab-report --lessons 00-12 --out DIR`, "
               "then `course book --from DIR`)")
     print(f"open {Path(made['site']) / 'index.html'}, or serve the folder: python3 -m http.server -d {made['site']}")

@@ -23,21 +23,6 @@ from course_lib.instructor.catalog import ROOT, lessons
 MIN_CHARS = 6
 
 
-def _answer_lines(src: str) -> list[str]:
-    """The lines between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` of a cell's source."""
-    from course_lib.grading import authoring
-
-    inside, lines = False, []
-    for ln in src.splitlines():
-        if ln.strip().startswith(authoring.END):
-            inside = False
-        if inside:
-            lines.append(ln)
-        if ln.strip().startswith(authoring.BEGIN):
-            inside = True
-    return lines
-
-
 def public_lines(root: Path = ROOT) -> set[str]:
     """Every stripped line a learner sees without the solutions: lessons, generated exercises, the package."""
     import nbformat
@@ -48,7 +33,8 @@ def public_lines(root: Path = ROOT) -> set[str]:
     for path in lessons("notebooks").values():
         public.update(ln.strip() for c in nbio.read(path).cells for ln in nbio.source(c).splitlines())
     for text in expected_files(root / "solutions").values():
-        public.update(ln.strip() for c in nbformat.reads(text, as_version=4).cells for ln in nbio.source(c).splitlines())
+        cells = nbformat.reads(text, as_version=4).cells
+        public.update(ln.strip() for c in cells for ln in nbio.source(c).splitlines())
     for path in (root / "course_lib").rglob("*.py"):
         public.update(ln.strip() for ln in path.read_text(encoding="utf-8").splitlines())
     return public
@@ -66,7 +52,7 @@ def secret_lines(root: Path = ROOT) -> dict[str, str]:
             if info and info["hidden"]:
                 lines, what = src.splitlines(), "a hidden test"
             elif authoring.has_solution(cell):
-                lines, what = _answer_lines(src), "an answer"
+                lines, what = authoring.answer_lines(src.splitlines()), "an answer"
             else:
                 continue
             for ln in lines:

@@ -170,9 +170,8 @@ class Lab:
     def start(self) -> None:
         from playwright.sync_api import sync_playwright
 
-        from course_lib.instructor.lab_settings import lab_flags, write_lab_settings
-
         from course_lib.instructor import book, lab_report
+        from course_lib.instructor.lab_settings import lab_flags, write_lab_settings
 
         write_lab_settings()
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,8 @@ import shutil
 
 import torch
 
-__all__ = ["OPTIMIZER_IMPLS", "optimizer_impl", "implementation_of", "fused_optimizer_support", "compile_support", "best_switches"]
+__all__ = ["OPTIMIZER_IMPLS", "optimizer_impl", "implementation_of", "fused_optimizer_support", "compile_support",
+           "best_switches"]
 
 # torch.optim's three implementations of one update (the same formula; fused computes it in another order, so its
 # results may differ in the last bits): 'for-loop' one kernel per parameter and operation, 'foreach' one per operation

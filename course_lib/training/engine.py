@@ -206,7 +206,8 @@ class Engine:
 
         return {"vocab_rows": int(self.model.get_input_embeddings().weight.shape[0])
                 if hasattr(self.model, "get_input_embeddings") else int(self.model.tok_emb.weight.shape[0]),
-                "optimizer": implementation_of(self.optimizer), "compiled": hasattr(self.net, "_orig_mod"),     # torch.compile's OptimizedModule
+                "optimizer": implementation_of(self.optimizer),
+                "compiled": hasattr(self.net, "_orig_mod"),                      # torch.compile's OptimizedModule
                 "autocast": self.autocast, "forward_weight_dtype": seen[0].replace("torch.", "")}
 
     def lr(self) -> float:
