@@ -7,6 +7,8 @@ real run of the test command by `course_lib.runtime.nccl_rules` (tests/test_nccl
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -212,3 +214,21 @@ def test_gpu_checks_model_state_takes_cublas_workspace_before_it_reads_the_alloc
     with pytest.raises(Read):
         gpu_check._memory_check(torch.device("cuda", 0))
     assert order == ["take workspace", "read allocator"]
+
+
+def test_a_book_of_a_gpu_run_names_the_gpus_sizes_and_versions(fake_gpus, monkeypatch, tmp_path):
+    """The browser test's lab on a GPU node writes run.json (course_lib.instructor.book.describe_run): the GPU, GPU
+    sizes and the CUDA / NCCL versions, which every lesson page of `course book --from` that folder then states."""
+    from course_lib.instructor import book, lab_report
+
+    fake_gpus(["NVIDIA H200"] * 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 141 * 2 ** 30}))
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    run = book.describe_run(lab_report.sizes_of(quick=True))
+    assert run["hardware"].startswith("NVIDIA H200") and "NCCL" in run["hardware"]
+    assert run["sizes"] == "GPU sizes where the ranks get a GPU each (2 GPUs), else CPU sizes"  # quick: CPUs only
+    (tmp_path / book.RUN_INFO).write_text(json.dumps(run))
+    facts = book.run_facts(tmp_path)
+    assert facts["versions"]["CUDA"] == "13.0" and facts["versions"]["NCCL"] == "2.27.3"
+    assert facts["default_sizes"].startswith("GPU sizes") and facts["ran"] is None
