@@ -62,6 +62,7 @@ TERMS: dict[str, str] = {
     "model chunk (virtual pipeline stage)": "模型块（虚拟流水线阶段）",
     "input-gradient pass (B)": "输入梯度计算（B）",
     "weight-gradient pass (W)": "权重梯度计算（W）",
+    "V-shaped schedule": "V 形调度",
     "memory bandwidth": "内存带宽（显存带宽）",
     "algorithm bandwidth": "算法带宽",
     "bus bandwidth": "总线带宽",

@@ -7,7 +7,8 @@ messages, replayed as NCCL runs them, never deadlock, and count 2 (v p - 1) per 
 times 1F1B's: 3 at p = v = 2, not v); a measured step replayed from its op times ignores one stretched op; bad input
 is refused by name.
 Distributed: one launch on 2 gloo ranks and one on 4 (v = 2) run our 1F1B, interleaved 1F1B and ZB-H1 and PyTorch's
-ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble on the same model and micro-batches:
+ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble on the same model and micro-batches (the V-shaped ZB-V and
+DualPipeV, and PyTorch's twins of them: tests/test_pipeline_v.py):
 loss and every gradient equal to one process (fp32, rtol 1e-5, atol 1e-6: summation order only; a missing W or a
 chunk fed the wrong input is off by far more). Timings are never asserted.
 """

@@ -17,7 +17,8 @@ one queue: a send and a receive between the same ranks posted apart can wait on 
 
 Interleaved schedules give a rank v chunks (`build_chunks`: ring positions rank, rank + p, ...; rank p - 1 sends to
 rank 0, and on p = 2 both directions join the same two ranks), so their messages follow
-`pipeline_messages.p2p_plan`, an order every pair of ranks agrees on. Zero-bubble schedules split each backward into
+`pipeline_messages.p2p_plan`, an order every pair of ranks agrees on. The V-shaped schedules (ZB-V, DualPipeV:
+`course_lib.parallel.pipeline_v`) give a rank chunks r and 2 p - 1 - r instead (``placement="v"``). Zero-bubble schedules split each backward into
 B (the input's gradient) and W (the weight gradients, later): `course_lib.parallel.split_backward`.
 
 Papers: GPipe (Huang et al. 2019), PipeDream / 1F1B (Narayanan et al. 2019, 2021 "Megatron-LM"), zero bubble (Qi et
@@ -35,7 +36,8 @@ from course_lib.config import ConfigError
 from course_lib.model import lm_loss
 from course_lib.parallel.collectives import batch_send_recv
 from course_lib.parallel.pipeline_messages import adjacent_plan
-from course_lib.parallel.pipeline_schedules import op_parts, split_stages, validate_interleaving, validate_order
+from course_lib.parallel.pipeline_schedules import (op_parts, position, split_stages, validate_interleaving,
+                                                    validate_order)
 from course_lib.parallel.split_backward import backward_input, backward_weight, record_param_outputs
 from course_lib.reference import reference_for
 
@@ -160,13 +162,16 @@ class P2P:
         self.pending.clear()
 
 
-def build_chunks(model: nn.Module, rank: int, p: int, v: int) -> list[Stage]:
-    """Rank `rank`'s v model chunks for interleaved schedules: the model's blocks split into v p equal chunks, of which
-    rank r holds chunks r, r + p, ..., r + (v - 1) p (ring positions; Narayanan et al. 2021, section 2.2). The first
+def build_chunks(model: nn.Module, rank: int, p: int, v: int, placement: str = "loop") -> list[Stage]:
+    """Rank `rank`'s v model chunks for interleaved and V-shaped schedules: the model's blocks split into v p equal
+    chunks, of which rank r holds chunks r, r + p, ..., r + (v - 1) p in the "loop" placement (ring positions;
+    Narayanan et al. 2021, section 2.2), r and 2 p - 1 - r in the "v" placement (v = 2: ZB-V, DualPipeV). The first
     chunk of the ring has the embeddings, the last one ln_f and the head. n_layers must be a multiple of p v."""
     validate_interleaving(p, v, p, len(model.blocks))
+    if placement == "v" and v != 2:
+        raise ValueError(f"the V placement gives each rank 2 chunks, not v={v}: use v=2")
     ranges = split_stages(len(model.blocks), v * p)
-    return [build_stage(model, c * p + rank, v * p, ranges) for c in range(v)]
+    return [build_stage(model, position(rank, c, p, placement), v * p, ranges) for c in range(v)]
 
 
 def _take(msg, inbox: dict, outbox: dict) -> torch.Tensor:
@@ -176,7 +181,8 @@ def _take(msg, inbox: dict, outbox: dict) -> torch.Tensor:
 
 @reference_for("03-gpipe")
 def run_schedule(stage: Stage | list[Stage], order: list, x_mbs: list[torch.Tensor], y_mbs: list[torch.Tensor],
-                 comm: P2P | None = None, loss_fn=lm_loss, hidden_shape=None, plan: list | None = None) -> dict:
+                 comm: P2P | None = None, loss_fn=lm_loss, hidden_shape=None, plan: list | None = None,
+                 placement: str = "loop") -> dict:
     """Run one rank's ops of one training step (no optimizer step): gradients accumulate in `.grad`.
 
     stage: this rank's `Stage`, or its v chunks (`build_chunks`) for ops ``("F"|"B"|"W", i, c)``. An order with W ops
@@ -186,11 +192,13 @@ def run_schedule(stage: Stage | list[Stage], order: list, x_mbs: list[torch.Tens
     only the last reads y). Each micro-batch's loss is divided by m, so the accumulated gradients are those
     of the mean loss over the whole batch, as on one process.
     Before each op the rank posts one batch of messages (`P2P.exchange`): by default the previous op's output with
-    the next op's input; ``plan`` (`pipeline_messages.p2p_plan`, from every rank's order) is required with chunks.
+    the next op's input; ``plan`` (`pipeline_messages.p2p_plan`, from every rank's order) is required with chunks;
+    ``placement`` ("loop" or "v", `pipeline_schedules.position`) says where the chunks sit, as `build_chunks` did.
     Every op is timed with `course_lib.measure.speed.Stopwatch` (CUDA events on a GPU: never a
     ``torch.cuda.synchronize()``, which would wait for NCCL's messages too): start after its input arrived, end when
     its compute is done, before sending.
-    Returns ``losses`` (per micro-batch, last stage, unscaled), ``timeline`` (per op: kind, mb, chunk, start, end in
+    Returns ``losses`` (per micro-batch, last stage, unscaled), ``timeline`` (per op: kind, mb, chunk, pos (the
+    chunk's ring position), start, end in
     seconds of ``time.perf_counter``, the monotonic clock that all processes of one machine share, so the
     ranks' timelines line up without a clock-offset estimate), ``act_peak`` (bytes of saved activations held
     at the peak; a split backward holds them until W), ``act_per_mb`` (bytes per micro-batch, all chunks),
@@ -227,7 +235,7 @@ def run_schedule(stage: Stage | list[Stage], order: list, x_mbs: list[torch.Tens
             break
         kind, i, c = op_parts(op)
         chunk = chunks[c]
-        pos = c * p + rank
+        pos = position(rank, c, p, placement)
         if kind == "F":
             inp = x_mbs[i].to(device) if chunk.is_first else _take(("F", i, pos - 1), inbox, outbox).requires_grad_()
             outputs: list = []
@@ -267,9 +275,9 @@ def run_schedule(stage: Stage | list[Stage], order: list, x_mbs: list[torch.Tens
             backward_weight(*pending_w.pop((i, c)))
             end = clock.stamp()
             live -= act_bytes[(i, c)]
-        stamps.append((kind, i, c, start, end))
-    timeline = [dict(kind=kind, mb=i, chunk=c, start=clock.seconds(s), end=clock.seconds(e))
-                for kind, i, c, s, e in stamps]
+        stamps.append((kind, i, c, pos, start, end))
+    timeline = [dict(kind=kind, mb=i, chunk=c, pos=pos, start=clock.seconds(s), end=clock.seconds(e))
+                for kind, i, c, pos, s, e in stamps]
     is_last = chunks[-1].is_last
     return dict(losses=[float(x) for x in losses] if is_last else [], timeline=timeline, act_peak=peak,
                 act_per_mb=[sum(act_bytes[(i, c)] for c in range(v)) for i in range(m)],

@@ -7,12 +7,12 @@ position that produced it)``. NCCL runs the messages between two ranks in the or
 
 * `adjacent_plan(order, rank, p)`: one chunk per rank (GPipe, 1F1B, ZB-H1): the previous op's output with the next op's
   input, from this rank's order alone.
-* `p2p_plan(orders, rank)`: any schedule, chunks included, from every rank's order: the order of the ideal timeline.
+* `p2p_plan(orders, rank, placement)`: any schedule, chunks included (either placement), from every rank's order: the order of the ideal timeline.
 """
 
 from __future__ import annotations
 
-from course_lib.parallel.pipeline_schedules import Op, chunk_count, neighbours, op_parts, simulate
+from course_lib.parallel.pipeline_schedules import Op, chunk_count, neighbours, op_parts, position, simulate
 
 __all__ = ["adjacent_plan", "p2p_plan"]
 
@@ -36,22 +36,22 @@ def adjacent_plan(order: list, rank: int, p: int) -> list[list[tuple]]:
     return plan
 
 
-def _message(op, rank: int, p: int, v: int, direction: str):
+def _message(op, rank: int, p: int, v: int, direction: str, placement: str = "loop"):
     """Id of the message op `op` of rank `rank` receives ("in") or sends ("out"), and the peer rank; None if none.
     Id: (kind, micro-batch, ring position of the producer)."""
     kind, i, c = op_parts(op)
     if kind == "W":
         return None
-    pos = c * p + rank
-    prev, nxt = neighbours(rank, p, c, v)
+    pos = position(rank, c, p, placement)
+    prev, nxt = neighbours(rank, p, c, v, placement)
     if direction == "in":
         src = prev if kind == "F" else nxt
-        return ((kind, i, src[1] * p + src[0]), src[0]) if src else None
+        return ((kind, i, position(src[0], src[1], p, placement)), src[0]) if src else None
     dst = nxt if kind == "F" else prev
     return ((kind, i, pos), dst[0]) if dst else None
 
 
-def p2p_plan(orders: list[list[Op]], rank: int) -> list[list[tuple]]:
+def p2p_plan(orders: list[list[Op]], rank: int, placement: str = "loop") -> list[list[tuple]]:
     """The point-to-point posts of rank `rank` when every rank runs its order of `orders`: one batch before each op
     and one after the last, each a list of ``("S" | "R", peer, message)`` posted together with
     ``dist.batch_isend_irecv`` (message: (kind, micro-batch, ring position that produced it)).
@@ -62,17 +62,18 @@ def p2p_plan(orders: list[list[Op]], rank: int) -> list[list[tuple]]:
     message exists before anyone needs it. A send or receive therefore goes out together with the receives from the
     same peer that come earlier in that order (buffered until their op runs). With one chunk per rank (1F1B, ZB-H1)
     this is just "the previous op's output with the next op's input"; interleaving needs it on p = 2, where both
-    directions of the ring join the same two ranks."""
+    directions of the ring join the same two ranks. `placement`: where each rank's chunks sit
+    (`pipeline_schedules.position`; "v" for ZB-V and DualPipeV)."""
     p = len(orders)
     v = max(chunk_count(o) for o in orders)
-    timeline = simulate(orders)
+    timeline = simulate(orders, placement=placement)
     key = {}
     for r, ops in enumerate(timeline):
         for op, t in zip(orders[r], ops):
-            out = _message(op, r, p, v, "out")
+            out = _message(op, r, p, v, "out", placement)
             if out is not None:
                 key[out[0]] = (t["end"], r, out[0])
-    incoming = sorted((key[m[0]], m[0], m[1]) for m in (_message(op, rank, p, v, "in") for op in orders[rank])
+    incoming = sorted((key[m[0]], m[0], m[1]) for m in (_message(op, rank, p, v, "in", placement) for op in orders[rank])
                       if m is not None and m[1] != rank)
     posted: set = set()
 
@@ -86,9 +87,9 @@ def p2p_plan(orders: list[list[Op]], rank: int) -> list[list[tuple]]:
         batch = []
         if sending is not None and sending[1] != rank:    # a chunk's output for this rank stays in memory
             batch += receives_before(sending[1], key[sending[0]]) + [("S", sending[1], sending[0])]
-        need = _message(op, rank, p, v, "in") if op is not None else None
+        need = _message(op, rank, p, v, "in", placement) if op is not None else None
         if need is not None and need[1] != rank:
             batch += receives_before(need[1], key[need[0]])
         plan.append(batch)
-        sending = _message(op, rank, p, v, "out") if op is not None else None
+        sending = _message(op, rank, p, v, "out", placement) if op is not None else None
     return plan

@@ -7,8 +7,11 @@ a pure function makes it easy to test, to simulate and to draw.
 
 Ops name a model chunk as a third item when a rank holds several: ``("F", i, c)`` is the forward of micro-batch i
 through this rank's chunk c (a 2-tuple means chunk 0). Zero-bubble schedules split the backward: ``("B", i, c)``
-then computes only the gradient of the chunk's input and ``("W", i, c)`` its weight gradients, later. Chunk c of
-rank r is the ring position ``c p + r``: a micro-batch goes rank 0, 1, ..., p - 1, then back to rank 0 for chunk 1.
+then computes only the gradient of the chunk's input and ``("W", i, c)`` its weight gradients, later. Where chunk c of
+rank r sits in the model is its **placement** (`position`): "loop" puts it at ring position ``c p + r`` (a micro-batch
+goes rank 0, 1, ..., p - 1, then back to rank 0 for chunk 1: interleaved 1F1B); "v" (two chunks per rank) puts chunk 0
+at position r and chunk 1 at ``2 p - 1 - r`` (down the ranks, then back up: rank 0 holds the first and the last chunk,
+and rank p - 1 hands chunk 0's output to its own chunk 1 in memory: ZB-V and DualPipeV, `pipeline_v`).
 
 * `split_stages(n_layers, p)`: contiguous, balanced layer ranges, one per stage.
 * `gpipe_order(p, m, rank)`: all m forwards, then all m backwards (Huang et al. 2019, "GPipe").
@@ -16,6 +19,7 @@ rank r is the ring position ``c p + r``: a micro-batch goes rank 0, 1, ..., p - 
   cool-down backwards (PipeDream-Flush; Narayanan et al. 2019 "PipeDream", 2021 "Megatron-LM").
 * `interleaved_order(p, v, m, rank)`: interleaved 1F1B with v chunks per rank (Narayanan et al. 2021, section 2.2).
 * `zb_h1_order(p, m, rank)`: ZB-H1, the backward split into B and W, W moved into the bubble (Qi et al. 2023).
+* ZB-V and DualPipeV, the V-shaped schedules, are in `course_lib.parallel.pipeline_v`; `schedule_orders` names all.
 * `simulate(orders, t_f, t_b, t_w=...)`: an ideal timeline (no communication cost) that respects the data
   dependencies: F(i) at ring position s needs F(i) at s-1; B(i) at s needs B(i) at s+1; W needs only its B.
 * `bubble_of(timeline)`: the idle fraction of a timeline, measured or simulated.
@@ -23,19 +27,16 @@ rank r is the ring position ``c p + r``: a micro-batch goes rank 0, 1, ..., p - 
 """
 
 from __future__ import annotations
+
+from course_lib.parallel.pipeline_ops import Op, check_schedule_args as _validate, op_parts
+from course_lib.parallel.pipeline_v import dualpipev_order, zbv_order
 from course_lib.reference import reference_for
 
 __all__ = ["split_stages", "gpipe_order", "one_f_one_b_order", "naive_order", "interleaved_order", "zb_h1_order",
            "schedule_orders", "simulate", "bubble_of", "peak_in_flight", "validate_order", "validate_interleaving",
-           "op_parts", "neighbours", "chunk_count"]
+           "op_parts", "neighbours", "chunk_count", "position", "placement_of", "PLACEMENTS"]
 
-Op = tuple  # ("F" | "B" | "W", micro-batch) or ("F" | "B" | "W", micro-batch, chunk)
-
-
-def op_parts(op) -> tuple[str, int, int]:
-    """``("F", i)`` -> ("F", i, 0); ``("B", i, c)`` -> ("B", i, c)."""
-    return (op[0], op[1], op[2] if len(op) > 2 else 0)
-
+PLACEMENTS = ("loop", "v")
 
 @reference_for("00-partial-sum", "03-split-stages")
 def split_stages(n_layers: int, p: int) -> list[tuple[int, int]]:
@@ -167,9 +168,19 @@ def zb_h1_order(p: int, m: int, rank: int) -> list[Op]:
     return ops + [("W", j) for j in pending]
 
 
+def placement_of(kind: str) -> str:
+    """Where schedule ``kind`` puts a rank's chunks: "v" for the V-shaped schedules ("zb-v", "dualpipev"), else
+    "loop" (`position`)."""
+    return "v" if kind in ("zb-v", "dualpipev") else "loop"
+
+
 def schedule_orders(kind: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
-    """The op list of every rank for ``kind`` in {"naive", "gpipe", "1f1b", "interleaved", "zb-h1"} (naive forces
-    m = 1; v chunks per rank for "interleaved")."""
+    """The op list of every rank for ``kind`` in {"naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
+    "dualpipev"} (naive forces m = 1; v chunks per rank for "interleaved"; the V-shaped "zb-v" and "dualpipev" always
+    hold 2, placed by `placement_of`)."""
+    if kind in ("zb-v", "dualpipev"):
+        order = zbv_order if kind == "zb-v" else dualpipev_order
+        return [order(p, m, r) for r in range(p)]
     if kind == "naive":
         return [naive_order(p, r) for r in range(p)]
     if kind == "gpipe":
@@ -180,12 +191,8 @@ def schedule_orders(kind: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
         return [interleaved_order(p, v, m, r) for r in range(p)]
     if kind == "zb-h1":
         return [zb_h1_order(p, m, r) for r in range(p)]
-    raise ValueError(f"unknown schedule {kind!r}: pick 'naive', 'gpipe', '1f1b', 'interleaved' or 'zb-h1'")
-
-
-def _validate(p: int, m: int, rank: int) -> None:
-    if p < 1 or m < 1 or not 0 <= rank < p:
-        raise ValueError(f"need p >= 1, m >= 1 and 0 <= rank < p; got p={p}, m={m}, rank={rank}")
+    raise ValueError(f"unknown schedule {kind!r}: pick 'naive', 'gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-v' or "
+                     "'dualpipev'")
 
 
 def chunk_count(ops) -> int:
@@ -219,24 +226,45 @@ def validate_order(ops: list[Op], m: int, v: int | None = None) -> None:
         raise ValueError("a split backward needs one W after the B of every micro-batch (and chunk), or none at all")
 
 
-def neighbours(rank: int, p: int, chunk: int = 0, v: int = 1) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+def position(rank: int, chunk: int, p: int, placement: str = "loop") -> int:
+    """Ring position (0 = the model's first chunk) of rank `rank`'s chunk `chunk`: ``chunk p + rank`` in the "loop"
+    placement; in the "v" placement (two chunks per rank) ``rank`` for chunk 0 and ``2 p - 1 - rank`` for chunk 1."""
+    if placement == "loop":
+        return chunk * p + rank
+    if placement == "v":
+        if chunk not in (0, 1):
+            raise ValueError(f"chunk={chunk}: the V placement gives each rank two chunks, 0 and 1")
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    raise ValueError(f"placement={placement!r}: use one of {PLACEMENTS}")
+
+
+def _owner(pos: int, p: int, placement: str) -> tuple[int, int]:
+    """(rank, chunk) holding ring position `pos`: the inverse of `position`."""
+    if placement == "v":
+        return (pos, 0) if pos < p else (2 * p - 1 - pos, 1)
+    return pos % p, pos // p
+
+
+def neighbours(rank: int, p: int, chunk: int = 0, v: int = 1,
+               placement: str = "loop") -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
     """(rank, chunk) before and after rank `rank`'s chunk `chunk` on the ring of v p positions (None at the ends):
     the previous position sends this chunk its forward input, the next one its backward input."""
-    pos = chunk * p + rank
-    prev = ((pos - 1) % p, (pos - 1) // p) if pos > 0 else None
-    nxt = ((pos + 1) % p, (pos + 1) // p) if pos < v * p - 1 else None
+    pos = position(rank, chunk, p, placement)
+    prev = _owner(pos - 1, p, placement) if pos > 0 else None
+    nxt = _owner(pos + 1, p, placement) if pos < v * p - 1 else None
     return prev, nxt
 
 
 def simulate(orders: list[list[Op]], t_f: float = 1.0, t_b: float = 2.0, t_comm: float = 0.0,
-             t_w: float = 0.0, durations: list[list[float]] | None = None) -> list[list[dict]]:
+             t_w: float = 0.0, durations: list[list[float]] | None = None,
+             placement: str = "loop") -> list[list[dict]]:
     """Ideal timeline of per-rank op lists: each op starts when its rank is free and its input has arrived.
 
     t_f, t_b, t_w: time of one F, B, W op (of one chunk when ranks hold several); ``durations[rank][k]``, if given,
     the time of each op instead (e.g. measured ones: the bubble those op times give with free, instant messages and
-    no other waiting). Returns per rank a list of dicts
-    ``kind, mb, chunk, start, end`` (same units as t_f, t_b). Raises ValueError if the orders deadlock (an op waits
-    for one that can never run).
+    no other waiting). `placement` says where each rank's chunks sit (`position`). Returns per rank a list of dicts
+    ``kind, mb, chunk, pos, start, end`` (same units as t_f, t_b; pos the chunk's ring position). Raises ValueError if
+    the orders deadlock (an op waits for one that can never run).
     """
     p = len(orders)
     v = max(chunk_count(o) for o in orders)
@@ -250,7 +278,7 @@ def simulate(orders: list[list[Op]], t_f: float = 1.0, t_b: float = 2.0, t_comm:
         for r in range(p):
             while pos[r] < len(orders[r]):
                 kind, i, c = op_parts(orders[r][pos[r]])
-                prev, nxt = neighbours(r, p, c, v)
+                prev, nxt = neighbours(r, p, c, v, placement)
                 src = prev if kind == "F" else nxt if kind == "B" else None
                 dep = (kind, i, src[1], src[0]) if src is not None else None
                 if dep is not None and dep not in done:
@@ -259,7 +287,7 @@ def simulate(orders: list[list[Op]], t_f: float = 1.0, t_b: float = 2.0, t_comm:
                 start = max(free[r], ready)
                 end = start + (duration[kind] if durations is None else durations[r][pos[r]])
                 done[(kind, i, c, r)] = free[r] = end
-                out[r].append(dict(kind=kind, mb=i, chunk=c, start=start, end=end))
+                out[r].append(dict(kind=kind, mb=i, chunk=c, pos=position(r, c, p, placement), start=start, end=end))
                 pos[r] += 1
                 remaining -= 1
                 progressed = True

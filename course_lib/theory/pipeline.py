@@ -14,6 +14,13 @@ p stages, m micro-batches, t_f / t_b the forward / backward time of one micro-ba
   waits for). Scheduling W into the idle slots, ZB-H1 leaves (p - 1)(t_F + t_B - t_W) of idle time per
   rank instead of 1F1B's (p - 1)(t_F + t_B + t_W), with 1F1B's memory; ZB-H2 removes the bubble almost
   entirely by holding more activations.
+- V-shaped schedules (ZB-V, Qi et al. 2023 section 6; DualPipeV, DeepSeek's DualPipe cut in half): two chunks per rank,
+  rank r holding positions r and 2 p - 1 - r of the 2 p, the backward split into B and W. With every chunk's F, B
+  and W lasting t (a stage's F lasts 2 t), both leave (p - 1) t idle per rank (m >= 2 p - 1 for ZB-V, m >= 2 p for
+  DualPipeV): a step of 6 m t + (p - 1) t, an idle fraction (p - 1) / (6 m + p - 1), half ZB-H1's idle time and a
+  sixth of 1F1B's. ZB-V holds at most 2 p chunk activations on every rank (p micro-batches of a whole stage: 1F1B's
+  rank-0 peak), DualPipeV 2 p + 1. A micro-batch crosses 2 p - 1 chunk boundaries each way, but the one at the
+  bottom of the V stays on rank p - 1: 4 (p - 1) messages, twice 1F1B's.
 - Activation memory: GPipe holds all m micro-batches at its peak; 1F1B holds at most p - rank on rank
   `rank` (the first stage is the worst: p), so 1F1B's peak is min(p, m) / m of GPipe's.
 """
@@ -23,7 +30,8 @@ from course_lib.reference import reference_for
 
 __all__ = ["bubble_fraction", "bubble_ratio", "interleaved_bubble_fraction", "zero_bubble_idle_time",
            "one_f_one_b_idle_time", "peak_microbatches_in_flight", "step_time", "interleaved_in_flight",
-           "p2p_messages_per_microbatch", "zero_bubble_fraction"]
+           "p2p_messages_per_microbatch", "zero_bubble_fraction", "v_shape_idle_time", "v_shape_bubble_fraction",
+           "v_shape_in_flight"]
 
 
 def _validate(p: int, m: int) -> None:
@@ -92,18 +100,58 @@ def interleaved_in_flight(p: int, v: int, m: int, rank: int = 0) -> float:
     return min(warmup + 1, v * m) / v
 
 
-def p2p_messages_per_microbatch(p: int, v: int = 1) -> int:
+def p2p_messages_per_microbatch(p: int, v: int = 1, placement: str = "loop") -> int:
     """Point-to-point messages one micro-batch causes in a step: it crosses ``v p - 1`` chunk boundaries forward
-    (activations) and as many backward (their gradients); 1F1B and ZB-H1 are v = 1: ``2 (p - 1)``."""
+    (activations) and as many backward (their gradients); 1F1B and ZB-H1 are v = 1: ``2 (p - 1)``. In the V
+    placement (v = 2) the boundary at the bottom of the V joins two chunks of rank p - 1, which hands it over in
+    memory: ``4 (p - 1)``."""
     if p < 1 or v < 1:
         raise ValueError(f"need p >= 1 stages and v >= 1 chunks; got p={p}, v={v}")
+    if placement == "v":
+        return 4 * (p - 1)
     return 2 * (v * p - 1)
+
+
+def _check_v(kind: str, p: int, m: int) -> None:
+    _validate(p, m)
+    least = {"zb-v": 2 * p - 1, "dualpipev": 2 * p}.get(kind)
+    if least is None:
+        raise ValueError(f"unknown V-shaped schedule {kind!r}: pick 'zb-v' or 'dualpipev'")
+    if m < least:
+        raise ValueError(f"{kind} with p={p}: the formula holds for m >= {least} micro-batches, got m={m}")
+
+
+def v_shape_idle_time(kind: str, p: int, m: int, t: float) -> float:
+    """Idle time per rank of ZB-V (m >= 2 p - 1) or DualPipeV (m >= 2 p) when every chunk's F, B and W last t:
+    (p - 1) t. (Unequal F, B, W change it; `pipeline_schedules.simulate` gives it for any times.)"""
+    _check_v(kind, p, m)
+    return (p - 1) * t
+
+
+def v_shape_bubble_fraction(kind: str, p: int, m: int) -> float:
+    """Idle fraction of a ZB-V or DualPipeV step with equal chunk F, B, W times: (p - 1) / (6 m + p - 1) (each
+    rank computes 2 chunks x m micro-batches x 3 ops)."""
+    _check_v(kind, p, m)
+    return (p - 1) / (6 * m + p - 1)
+
+
+def v_shape_in_flight(kind: str, p: int, m: int, rank: int = 0) -> float:
+    """Micro-batches of a whole stage whose activations rank `rank` holds at its peak (a chunk counts 1/2, held from
+    its F to its B, as `pipeline_schedules.peak_in_flight` counts; a W keeps only its weight matmuls' inputs):
+    ZB-V min(2 p, m + rank + 1, 2 m) / 2 (p from m >= 2 p - 1 on, on every rank), DualPipeV (2 p + 1) / 2 (m >= 2 p)."""
+    _validate(p, m)
+    if not 0 <= rank < p:
+        raise ValueError(f"need 0 <= rank < p; got rank={rank}, p={p}")
+    if kind == "zb-v":
+        return min(2 * p, m + rank + 1, 2 * m) / 2
+    _check_v(kind, p, m)
+    return (2 * p + 1) / 2
 
 
 def peak_microbatches_in_flight(schedule: str, p: int, m: int, rank: int = 0, v: int = 1) -> float:
     """Micro-batches (of a whole stage) whose activations rank `rank` holds at its peak: m (GPipe),
     min(p - rank, m) (1F1B, and ZB-H1, which defers only W and so keeps 1F1B's memory),
-    `interleaved_in_flight` (interleaved 1F1B with v chunks)."""
+    `interleaved_in_flight` (interleaved 1F1B with v chunks), `v_shape_in_flight` (ZB-V, DualPipeV)."""
     _validate(p, m)
     if schedule == "gpipe":
         return m
@@ -111,4 +159,7 @@ def peak_microbatches_in_flight(schedule: str, p: int, m: int, rank: int = 0, v:
         return min(p - rank, m)
     if schedule == "interleaved":
         return interleaved_in_flight(p, v, m, rank)
-    raise ValueError(f"unknown schedule {schedule!r}: pick 'gpipe', '1f1b', 'interleaved' or 'zb-h1'")
+    if schedule in ("zb-v", "dualpipev"):
+        return v_shape_in_flight(schedule, p, m, rank)
+    raise ValueError(f"unknown schedule {schedule!r}: pick 'gpipe', '1f1b', 'interleaved', 'zb-h1', 'zb-v' or "
+                     "'dualpipev'")

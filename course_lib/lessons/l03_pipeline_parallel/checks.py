@@ -1,4 +1,4 @@
-"""What the graded exercise 03-interleaved-order calls (solutions/03_pipeline_parallel.ipynb).
+"""What the graded exercises 03-interleaved-order and 03-v-order call (solutions/03_pipeline_parallel.ipynb).
 
 The learner writes ``interleaved_order(p, v, m, rank) -> [("F" | "B", micro_batch, chunk), ...]``. There is more
 than one right answer (Megatron-LM's order has changed between releases: older ones ran every forward first when
@@ -11,6 +11,12 @@ m = p, Megatron-core today does not), so the order is judged by the exercise's r
 4. the memory cap: rank ``rank`` holds at most `theory.pipeline.interleaved_in_flight` micro-batches of a whole
    stage (a chunk counts 1/v), Megatron-LM's (Korthikanti et al. 2022, section 4.2, on rank 0).
 
+The learner also writes ``v_order(p, m, rank) -> [("F" | "B" | "W", micro_batch, chunk), ...]``, a V-shaped
+zero-bubble order (chunk 0 of rank r at ring position r, chunk 1 at 2 p - 1 - r), judged by its own four rules:
+all the work (F, B and W of every (micro-batch, chunk), in that order), the dependencies in the V placement, idle time
+per rank at most (p - 1) t when every chunk's F, B and W last t (`theory.pipeline.v_shape_idle_time`: only the
+pipeline fill), and at most 2 p chunk activations held (p micro-batches of a whole stage, 1F1B's rank-0 peak).
+
 Each failure raises `CheckFailed` with a one-line message naming the case.
 """
 
@@ -20,7 +26,8 @@ from course_lib import theory
 from course_lib.grading.check import CheckFailed
 from course_lib.parallel import pipeline_schedules as schedules
 
-__all__ = ["check_interleaved_orders", "interleaved_problems", "INTERLEAVED_CASES", "HIDDEN_INTERLEAVED_CASES"]
+__all__ = ["check_interleaved_orders", "interleaved_problems", "INTERLEAVED_CASES", "HIDDEN_INTERLEAVED_CASES",
+           "check_v_orders", "v_problems", "V_CASES", "HIDDEN_V_CASES"]
 
 # (p, v, m): a ring of 2 that wraps, v = 3 > p, p = 4, odd p, m = p with p >= 3 (the warm-up meets v m),
 # v = 1 (no interleaving), one rank.
@@ -80,4 +87,57 @@ def check_interleaved_orders(interleaved_order, cases=INTERLEAVED_CASES) -> int:
     """Every rule of 03-interleaved-order for each (p, v, m) of ``cases``; returns how many cases passed."""
     for p, v, m in cases:
         interleaved_problems(interleaved_order, p, v, m)
+    return len(cases)
+
+
+# (p, m), m >= 2 p - 1: the least m, m = 2 p, an odd m, one rank, a deeper pipeline
+V_CASES = [(2, 3), (2, 4), (3, 5), (3, 7), (4, 8), (4, 11), (1, 2)]
+HIDDEN_V_CASES = [(p, m) for p in range(1, 6) for m in range(max(2 * p - 1, 1), 4 * p + 2)]
+
+
+def v_problems(v_order, p: int, m: int) -> None:
+    """Raise `CheckFailed` at the first rule of 03-v-order that the orders of ``v_order`` break for (p, m)."""
+    case = f"V order p={p} m={m}"
+    orders = []
+    for rank in range(p):
+        name = f"{case} rank {rank}"
+        order = [tuple(op) for op in v_order(p, m, rank)]
+        bad = next((op for op in order if len(op) != 3 or op[2] not in (0, 1)), None)
+        if bad is not None:
+            raise CheckFailed(f"{name}: ops are (kind, micro_batch, chunk) with chunk 0 or 1", f"got {bad!r}",
+                              "every op names the rank's chunk: 0 (on the way down the V) or 1 (on the way back up)")
+        try:
+            schedules.validate_order(order, m, 2)
+            if not any(op[0] == "W" for op in order):
+                raise ValueError("no W at all: the backward must be split into B and W")
+        except ValueError as e:
+            raise CheckFailed(f"{name}: F, B and W of every (micro-batch, chunk) once, in that order", str(e),
+                              "each of the 2 m (micro-batch, chunk) pairs of the rank needs one F, then one B, then "
+                              "one W, all in this rank's list") from None
+        held, cap = schedules.peak_in_flight(order, 2), min(p, m)
+        if held > cap + _SLACK:
+            raise CheckFailed(f"{name}: activations in flight (micro-batches of a whole stage, a chunk counts 1/2)",
+                              f"expected at most {cap:g} (2 p chunks), got {held:g}",
+                              "a chunk's activations are held from its F to its B: start backwards before the "
+                              "forwards pile up (1F1B's rank-0 peak is the cap on every rank)")
+        orders.append(order)
+    try:
+        timeline = schedules.simulate(orders, t_f=1.0, t_b=1.0, t_w=1.0, placement="v")
+    except ValueError as e:
+        raise CheckFailed(f"{case}: the orders of all ranks run together in the V placement", str(e),
+                          "chunk 0 of rank r is position r, chunk 1 is 2 p - 1 - r: a forward needs the position "
+                          "before it, a B the position after it; draw one micro-batch's path down and back up") from None
+    span = max(op["end"] for ops in timeline for op in ops)
+    idle, bound = span - 6 * m, theory.pipeline.v_shape_idle_time("zb-v", p, m, 1.0)
+    if idle > bound + _SLACK:
+        raise CheckFailed(f"{case}: idle time per rank with every chunk F, B, W lasting 1",
+                          f"expected at most {bound:g} (the pipeline fill, p - 1), got {idle:g}",
+                          "run a B as soon as its input is there and keep the Ws for the gaps: a rank that would "
+                          "wait should have a W to run (lesson 03, section 10)")
+
+
+def check_v_orders(v_order, cases=V_CASES) -> int:
+    """Every rule of 03-v-order for each (p, m) of ``cases``; returns how many cases passed."""
+    for p, m in cases:
+        v_problems(v_order, p, m)
     return len(cases)

@@ -16,13 +16,15 @@ from course_lib.model import build_model, lm_loss
 from course_lib.one_process import grads_of
 from course_lib.parallel.pipeline import P2P, build_chunks, build_stage, run_schedule, split_microbatches
 from course_lib.parallel.pipeline_messages import p2p_plan
-from course_lib.parallel.pipeline_schedules import bubble_of, schedule_orders, simulate, split_stages
+from course_lib.parallel.pipeline_schedules import (bubble_of, placement_of, position, schedule_orders, simulate,
+                                                    split_stages)
 
 __all__ = ["pipeline_config", "bubble_config", "rank_step", "rank_torch_step", "rank_correctness",
            "rank_bubble_sweep", "rank_memory", "rank_torch_chunked_step", "rank_beyond_1f1b", "op_times", "replayed",
-           "span_of", "bubble_rows"]
+           "span_of", "bubble_rows", "rank_v_schedules", "V_SHAPED", "TORCH_V_SHAPED", "TWIN"]
 
-CHUNKED = ("interleaved",)          # schedules whose ranks hold v model chunks
+CHUNKED = ("interleaved", "zb-v", "dualpipev")     # schedules whose ranks hold several model chunks
+V_SHAPED = ("zb-v", "dualpipev")                     # two chunks per rank, in the V placement
 
 
 def pipeline_config(n_layer: int = 4, **overrides) -> ModelConfig:
@@ -40,19 +42,21 @@ def bubble_config(n_layer: int = 4, **overrides) -> ModelConfig:
 
 def rank_step(cfg: ModelConfig, x, y, kind: str, m: int, seed: int = 0, model=None, v: int = 2) -> dict:
     """One pipelined training step (forward + backward, no optimizer step) of schedule `kind` on this rank
-    ("naive", "gpipe", "1f1b", "zb-h1", or "interleaved" with v chunks per rank).
+    ("naive", "gpipe", "1f1b", "zb-h1", "interleaved" with v chunks per rank, or the V-shaped "zb-v" and "dualpipev",
+    two chunks per rank whatever v is).
 
     Returns run_schedule's result plus ``grads`` of this rank's parameters (named as in the full model).
     """
     rank, p, device = cdist.rank(), cdist.world_size(), cdist.device()
     model = model if model is not None else build_model(cfg, seed).to(device)
     model.zero_grad(set_to_none=True)
-    chunked = kind in CHUNKED
-    stage = build_chunks(model, rank, p, v) if chunked else build_stage(model, rank, p)
-    orders = schedule_orders(kind, p, m, v if chunked else 1)
-    plan = p2p_plan(orders, rank) if chunked else None
+    chunked, placement = kind in CHUNKED, placement_of(kind)
+    v = 2 if kind in V_SHAPED else v if chunked else 1
+    stage = build_chunks(model, rank, p, v, placement) if chunked else build_stage(model, rank, p)
+    orders = schedule_orders(kind, p, m, v)
+    plan = p2p_plan(orders, rank, placement) if chunked else None
     out = run_schedule(stage, orders[rank], split_microbatches(x, m), split_microbatches(y, m), P2P(rank, p, device),
-                       plan=plan)
+                       plan=plan, placement=placement)
     out["grads"] = grads_of(model)
     return out
 
@@ -84,14 +88,15 @@ def _torch_step(schedule, x, y, device, first: bool, last: bool) -> list:
 
 def rank_torch_chunked_step(cfg: ModelConfig, x, y, name: str, m: int, v: int = 2, seed: int = 0) -> dict:
     """The step with torch.distributed.pipelining's multi-stage schedules (`name`: "ScheduleInterleaved1F1B",
-    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble") on the same v p chunks as ours; ZBV places them in a
-    V (rank r holds chunks r and 2p - 1 - r, v = 2), the others round-robin. Returns losses (on the rank holding the
-    last chunk) and this rank's gradients, or ``error`` (the exception's type and first line) where PyTorch refuses."""
+    "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV") on the same v p chunks as ours;
+    ZBV and DualPipeV place them in a V (rank r holds chunks r and 2p - 1 - r, v = 2), the others round-robin.
+    Returns losses (on the rank holding the last chunk) and this rank's gradients, or ``error`` (the exception's type and first line) where PyTorch refuses."""
     import torch.distributed.pipelining as pipelining
 
     rank, p, device = cdist.rank(), cdist.world_size(), cdist.device()
     model = build_model(cfg, seed).to(device)
-    positions = [rank, 2 * p - 1 - rank] if name == "ScheduleZBVZeroBubble" else [c * p + rank for c in range(v)]
+    placement = "v" if name in TORCH_V_SHAPED else "loop"
+    positions = [position(rank, c, p, placement) for c in range(2 if placement == "v" else v)]
     ranges = split_stages(len(model.blocks), v * p)
     try:
         stages = [pipelining.PipelineStage(build_stage(model, s, v * p, ranges), stage_index=s, num_stages=v * p,
@@ -164,7 +169,10 @@ def rank_memory(cfg: ModelConfig, micro_batch: int, ms, kinds=("gpipe", "1f1b"),
     return out
 
 
-TORCH_CHUNKED = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+TORCH_CHUNKED = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")     # loop placement: section 9
+TORCH_V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+TWIN = {"ScheduleInterleaved1F1B": "interleaved", "ScheduleInterleavedZeroBubble": "interleaved",
+        "ScheduleZBVZeroBubble": "zb-v", "ScheduleDualPipeV": "dualpipev"}   # PyTorch's schedule -> ours
 
 
 def rank_beyond_1f1b(cfg: ModelConfig, batch: int, m: int, v: int = 2, seed: int = 0,
@@ -180,6 +188,17 @@ def rank_beyond_1f1b(cfg: ModelConfig, batch: int, m: int, v: int = 2, seed: int
     return out
 
 
+def rank_v_schedules(cfg: ModelConfig, batch: int, m: int, seed: int = 0) -> dict:
+    """Section 10 of lesson 03 on this rank: our ZB-V and DualPipeV and PyTorch's ScheduleZBVZeroBubble and
+    ScheduleDualPipeV on one batch split into m micro-batches, the model cut into 2 p chunks in the V placement
+    (n_layer a multiple of 2 p). DualPipeV (ours and PyTorch's) needs m >= 2 p: below that only ZB-V runs.
+    Returns what `rank_beyond_1f1b` returns, per schedule."""
+    p = cdist.world_size()
+    kinds = [k for k in V_SHAPED if k == "zb-v" or m >= 2 * p]
+    return rank_beyond_1f1b(cfg, batch, m, 2, seed, kinds=kinds,
+                            torch_names=[n for n in TORCH_V_SHAPED if TWIN[n] in kinds])
+
+
 def op_times(timelines: list[list[dict]]) -> dict[str, float]:
     """Median duration of each kind of op (F, B, W) over all ranks of a measured step, in seconds."""
     kinds = sorted({op["kind"] for ops in timelines for op in ops})
@@ -190,7 +209,7 @@ def op_times(timelines: list[list[dict]]) -> dict[str, float]:
 def replayed(timelines: list[list[dict]]) -> list[list[dict]]:
     """A measured step replayed by `simulate`: every rank runs the ops it ran, in the order it ran them, each op lasting
     the median measured duration of its kind (F, B, W) and chunk on that rank; messages are instant and nothing else
-    waits. What the schedule gives with these op times, without the operating system's scheduler: on a shared or
+    waits. The chunks' placement is read from the ops' ring positions (``pos``, as `run_schedule` records them). What the schedule gives with these op times, without the operating system's scheduler: on a shared or
     oversubscribed CPU one op can be stretched several times by a rank that was not running, and the raw timeline then
     shows the scheduler, not the schedule (lesson 03, sections 8 and 9)."""
     orders, durations = [], []
@@ -201,7 +220,14 @@ def replayed(timelines: list[list[dict]]) -> list[list[dict]]:
         median = {k: statistics.median(v) for k, v in by_op.items()}
         orders.append([(op["kind"], op["mb"], op.get("chunk", 0)) for op in ops])
         durations.append([median[(op["kind"], op.get("chunk", 0))] for op in ops])
-    return simulate(orders, durations=durations)
+    return simulate(orders, durations=durations, placement=_placement(timelines))
+
+
+def _placement(timelines: list[list[dict]]) -> str:
+    """"v" when some op's recorded ring position is the V placement's and not the loop's, else "loop"."""
+    p = len(timelines)
+    return "v" if any(op.get("pos", position(r, op.get("chunk", 0), p)) != position(r, op.get("chunk", 0), p)
+                      for r, ops in enumerate(timelines) for op in ops) else "loop"
 
 
 def span_of(timelines: list[list[dict]]) -> float:
@@ -215,8 +241,9 @@ def bubble_rows(sweep: dict, p: int, v: int = 2) -> list[dict]:
     with the median measured duration of each kind and chunk per rank, instant messages and no other waiting: unequal
     chunks and slow ops count, message time and the scheduler do not) and its step time ``replayed_span`` (seconds);
     and the formula's, with the median F, B, W times where it needs them: (p-1)/(m+p-1) for 1F1B, (p-1)/(v m+p-1) for
-    interleaved, `theory.pipeline.zero_bubble_fraction` for ZB-H1. The formulas assume equal stages (chunks) and free
-    messages."""
+    interleaved, `theory.pipeline.zero_bubble_fraction` for ZB-H1, (p-1)/(6 m+p-1) for ZB-V and DualPipeV
+    (`theory.pipeline.v_shape_bubble_fraction`, equal chunk F, B, W times). The formulas assume equal stages (chunks)
+    and free messages."""
     from course_lib import theory
 
     rows = []
@@ -227,6 +254,8 @@ def bubble_rows(sweep: dict, p: int, v: int = 2) -> list[dict]:
             formula = theory.pipeline.interleaved_bubble_fraction(p, m, v)
         elif kind == "zb-h1":
             formula = theory.pipeline.zero_bubble_fraction(p, m, t["F"], t["B"], t["W"])
+        elif kind in V_SHAPED:
+            formula = theory.pipeline.v_shape_bubble_fraction(kind, p, m)
         else:
             formula = theory.pipeline.bubble_fraction(p, m)
         rows.append(dict(kind=kind, m=m, measured=r["bubble"], bubbles=r["bubbles"], simulated=bubble_of(replay),

@@ -15,7 +15,8 @@ from course_lib.lessons.display import COLORS
 from course_lib.lessons.l03_pipeline_parallel.experiments import replayed
 from course_lib.parallel.pipeline_schedules import bubble_of
 
-__all__ = ["pipeline_gantt", "step_gantt", "schedules_gantt", "bubble_figure", "activation_peaks_figure"]
+__all__ = ["pipeline_gantt", "step_gantt", "schedules_gantt", "schedules_gantt_simulated", "bubble_figure",
+           "activation_peaks_figure"]
 
 REPLAYED = "replayed from measured per-op times"
 
@@ -38,16 +39,19 @@ def pipeline_gantt(timelines: list[list[dict]], hardware: str, title: str = "Pip
     chunked = any(op.get("chunk", 0) for ops in timelines for op in ops)
     t0 = min(op["start"] for ops in timelines for op in ops)
     span = max(op["end"] for ops in timelines for op in ops) - t0
+    fontsize = 7 if not chunked else 6
+    char_px = 0.6 * fontsize * ax.figure.dpi / 72                   # a label character's width, about
+    px_per_unit = ax.get_window_extent().width / span
     for rank, ops in enumerate(timelines):
         ax.barh(rank, span, left=0, color=COLORS["idle"], alpha=0.35, height=0.8)
         for op in ops:
             w, c = op["end"] - op["start"], op.get("chunk", 0)
             ax.barh(rank, w, left=op["start"] - t0, color=colors[op["kind"]], alpha=1.0 if c == 0 else 0.6,
                     edgecolor="white", height=0.8)
-            if w > span / 60:
-                label = f"{op['kind']}{op['mb']}" + (f".{c}" if chunked else "")
-                ax.text(op["start"] - t0 + w / 2, rank, label, ha="center", va="center",
-                        fontsize=7 if not chunked else 6, color="white")
+            label = f"{op['kind']}{op['mb']}" + (f".{c}" if chunked else "")
+            if w * px_per_unit > (len(label) + 1) * char_px:           # only where the label fits in its box
+                ax.text(op["start"] - t0 + w / 2, rank, label, ha="center", va="center", fontsize=fontsize,
+                        color="white")
     ax.set_yticks(range(len(timelines)), [f"rank {r}" for r in range(len(timelines))])
     ax.invert_yaxis()
     ax.set_xlabel(xlabel)
@@ -79,6 +83,20 @@ def schedules_gantt(measured: dict[str, list[list[dict]]], hardware: str, own_co
     axes = np.atleast_1d(axes)
     for k, (ax, (name, tl, label)) in enumerate(zip(axes, panels)):
         pipeline_gantt(tl, label, title=name, ax=ax, xlabel=xlabel if k == len(panels) - 1 else "")
+    fig.tight_layout()
+    return fig
+
+
+def schedules_gantt_simulated(timelines: dict[str, list[list[dict]]], unit: str):
+    """Ideal timelines from `simulate` (``timelines[name]``: all ranks), one panel each on a common axis in `unit`,
+    each title saying it is simulated: op times chosen, messages free, no hardware (lesson 03, section 10)."""
+    fig, axes = plt.subplots(len(timelines), 1, sharex=True,
+                             figsize=(9, sum(0.45 * len(tl) + 0.9 for tl in timelines.values()) + 0.3),
+                             gridspec_kw=dict(height_ratios=[len(tl) for tl in timelines.values()]))
+    axes = np.atleast_1d(axes)
+    for k, (ax, (name, tl)) in enumerate(zip(axes, timelines.items())):
+        pipeline_gantt(tl, "simulated: chosen op times, free messages, no hardware", title=name, ax=ax,
+                       xlabel=unit if k == len(timelines) - 1 else "")
     fig.tight_layout()
     return fig
 
