@@ -110,7 +110,9 @@ def test_memory_and_bubble_equal_the_formulas(kind):
             for rank, order in enumerate(orders):
                 validate_order(order, m, 2)
                 assert {op[0] for op in order} == {"F", "B", "W"}
-                assert peak_in_flight(order, 2) == theory.pipeline.v_shape_in_flight(kind, p, m, rank), (p, m, rank)
+                for until in ("B", "W"):   # to the B or to the W: the same peaks
+                    assert peak_in_flight(order, 2, until) == theory.pipeline.v_shape_in_flight(kind, p, m, rank), \
+                        (p, m, rank, until)
             if m >= least:
                 tl = simulate(orders, t_f=1.0, t_b=1.0, t_w=1.0, placement="v")
                 assert bubble_of(tl) == pytest.approx(theory.pipeline.v_shape_bubble_fraction(kind, p, m), abs=1e-12)
@@ -133,6 +135,22 @@ def test_v_schedules_beat_zb_h1_and_1f1b_at_equal_times():
                       placement="v" if v == 2 else "loop")
         idle[kind] = max(op["end"] for ops in tl for op in ops) - 6 * m
     assert idle == {"1f1b": 6 * (p - 1), "zb-h1": 2 * (p - 1), "zb-v": p - 1, "dualpipev": p - 1}
+
+
+def test_zbv_ranks_are_busy_from_first_op_to_last_dualpipev_rank_0_is_not():
+    """The lesson's reading of Qi et al.'s "zero bubble": with equal chunk F, B, W times every ZB-V rank's own span
+    (its first op to its last) is 6 m t, all work; the step's (p - 1) t of idle is the fill. DualPipeV's rank 0 idles
+    inside its own span."""
+    for p in range(2, 7):
+        for m in range(2 * p, 4 * p + 1):
+            for kind in ("zb-v", "dualpipev"):
+                tl = simulate(schedule_orders(kind, p, m), t_f=1.0, t_b=1.0, t_w=1.0, placement="v")
+                own = [ops[-1]["end"] - ops[0]["start"] for ops in tl]
+                if kind == "zb-v":
+                    assert own == [6.0 * m] * p, (p, m, own)
+                else:
+                    assert own[0] > 6.0 * m, (p, m, own)
+                assert [ops[0]["start"] for ops in tl] == [float(r) for r in range(p)]   # rank r starts r t late
 
 
 def test_messages_never_deadlock_and_count_4_p_minus_1():
@@ -166,6 +184,17 @@ def test_bad_input_refused_before_launch():
         theory.pipeline.v_shape_bubble_fraction("dualpipev", 4, 7)
     with pytest.raises(ValueError, match="pick 'zb-v' or 'dualpipev'"):
         theory.pipeline.v_shape_idle_time("zb-h1", 4, 8, 1.0)
+    with pytest.raises(ValueError, match="2 chunks, not v=3"):
+        theory.pipeline.p2p_messages_per_microbatch(4, 3, "v")
+    with pytest.raises(ValueError, match="until='X'"):
+        peak_in_flight(zbv_order(2, 3, 0), 2, "X")
+    # an order's mistakes are named: the op that does not exist, the op that is missing
+    with pytest.raises(ValueError, match=r"F of micro-batch 3 chunk 0, which does not exist: micro-batches are 0\.\.2"):
+        validate_order(zbv_order(2, 3, 0) + [("F", 3, 0)], 3, 2)
+    with pytest.raises(ValueError, match=r"F of micro-batch 2 chunk 1 is missing"):
+        validate_order([op for op in zbv_order(2, 3, 0) if op[1:] != (2, 1)], 3, 2)   # no F, B, W of (2, 1)
+    with pytest.raises(ValueError, match=r"W of micro-batch 0 chunk 1 is missing"):
+        validate_order([op for op in zbv_order(2, 3, 0) if op != ("W", 0, 1)], 3, 2)
     model = build_model(pipeline_lab.pipeline_config(n_layer=6))
     with pytest.raises(ValueError, match="2 chunks, not v=3"):
         build_chunks(model, 0, 2, 3, "v")

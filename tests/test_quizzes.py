@@ -35,9 +35,9 @@ EXPECTED = {
     "02": {"q1": 2 * 7 / 8 * 400, "q2": 2 * 4 * 10, "q3": 6, "q4": 3400 / (4 * 1000) * 100},
     "03": {"q1": theory.pipeline.bubble_fraction(8, 24),
            "q2": theory.pipeline.peak_microbatches_in_flight("1f1b", 8, 24, rank=2), "q3": "same",
-           # p = 4, m = 8, a stage's F, B, W 2 ms each: 1F1B (m + p - 1)(t_F + t_B + t_W), ZB-V 2 m 3 t + (p - 1) t, t = 1
-           "q4": theory.pipeline.step_time(4, 8, 2.0, 4.0)
-           - (6 * 8 * 1.0 + theory.pipeline.v_shape_idle_time("zb-v", 4, 8, 1.0))},
+           # p = 8, m = 16, a stage's F, B, W 2 ms each: 1F1B (m + p - 1)(t_F + t_B + t_W), ZB-V 2 m 3 t + (p - 1) t, t = 1
+           "q4": theory.pipeline.step_time(8, 16, 2.0, 4.0)
+           - (6 * 16 * 1.0 + theory.pipeline.v_shape_idle_time("zb-v", 8, 16, 1.0))},
     "04": {"q1": 4, "q2": 1 * 2048 * 12288 * 2 / 1e6, "q3": 1 / 8},
     "05": {"q1": theory.memory.zero_model_state_bytes(13e9, 16, 1)["total"] / 1e9,
            "q2": theory.memory.zero_model_state_bytes(13e9, 16, 3)["total"] / 1e9,
@@ -81,8 +81,9 @@ def test_quiz_accepts_right_answers_and_refuses_wrong_ones(capsys):
     wrong = {"q1": EXPECTED["03"]["q1"] * 1.05, "q2": EXPECTED["03"]["q2"] + 1, "q3": "interleave"}
     assert all(v.startswith("not yet (section") for v in score("03", wrong).values())
     assert score("03", {"q1": None}) == {"q1": "not answered yet"}
-    # q4's wrong turns: the ZB-V step without its fill (18), with a whole stage's fill, ZB-H1's idle (12)
-    assert all(score("03", {"q4": a})["q4"].startswith("not yet (section") for a in (18.0, 12.0))
+    # q4's wrong turns: the ZB-V step without its fill (42, the paper's "zero bubble"), with a whole stage's fill or
+    # ZB-H1's idle (28)
+    assert all(score("03", {"q4": a})["q4"].startswith("not yet (section") for a in (42.0, 28.0))
     # lesson 11 q2's wrong turns: the others' spare places take the overflow (0), expert 0's excess over the others'
     # load (192), every token of the over-full expert (400)
     assert all(score("11", {"q2": a})["q2"].startswith("not yet (section") for a in (0, 192, 400))

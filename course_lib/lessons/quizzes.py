@@ -36,7 +36,7 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
         "q1": ("cae43f5380fd0edd755638c8", 0.001, "section 5: the bubble fraction of GPipe"),
         "q2": ("e173730504fdbed23c9fc0dc", None, "section 6: how many micro-batches 1F1B keeps in flight on each rank"),
         "q3": ("c306118b3593f3876bc28b96", None, "section 9: the bubble with interleaving and with more micro-batches"),
-        "q4": ("7d30241306396242c6d50306", 0.001, "sections 5 and 10: a 1F1B step's length, and a ZB-V step's with "
+        "q4": ("d12fcdff176e428aa9d55518", 0.001, "sections 3 and 10: a 1F1B step's length, and a ZB-V step's with "
                                                   "chunks of half a stage"),
     },
     "04": {

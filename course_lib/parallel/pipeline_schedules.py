@@ -212,6 +212,9 @@ def validate_order(ops: list[Op], m: int, v: int | None = None) -> None:
         if kind not in seen:
             raise ValueError(f"unknown op {kind!r}: use 'F', 'B' or 'W'")
         what = f"micro-batch {i}" + (f" chunk {c}" if v > 1 else "")
+        if not (0 <= i < m and 0 <= c < v):
+            raise ValueError(f"{kind} of {what}, which does not exist: micro-batches are 0..{m - 1}"
+                             + (f", chunks 0..{v - 1}" if v > 1 else ""))
         if (i, c) in seen[kind]:
             raise ValueError(f"{kind} of {what} appears twice")
         if kind in need and (i, c) not in seen[need[kind]]:
@@ -219,11 +222,16 @@ def validate_order(ops: list[Op], m: int, v: int | None = None) -> None:
             raise ValueError(f"{label} of {what} before its {need[kind]}, or twice")
         seen[kind].add((i, c))
     every = {(i, c) for i in range(m) for c in range(v)}
-    if seen["F"] != every or seen["B"] != every:
-        raise ValueError(f"every micro-batch 0..{m - 1}" + (f" of every chunk 0..{v - 1}" if v > 1 else "")
-                         + " needs one F and one B")
+    for kind in ("F", "B"):
+        if seen[kind] != every:
+            i, c = min(every - seen[kind])
+            raise ValueError(f"every micro-batch 0..{m - 1}" + (f" of every chunk 0..{v - 1}" if v > 1 else "")
+                             + f" needs one F and one B: {kind} of micro-batch {i}" + (f" chunk {c}" if v > 1 else "")
+                             + " is missing")
     if seen["W"] and seen["W"] != every:
-        raise ValueError("a split backward needs one W after the B of every micro-batch (and chunk), or none at all")
+        i, c = min(every - seen["W"])
+        raise ValueError("a split backward needs one W after the B of every micro-batch (and chunk), or none at all: "
+                         f"W of micro-batch {i}" + (f" chunk {c}" if v > 1 else "") + " is missing")
 
 
 def position(rank: int, chunk: int, p: int, placement: str = "loop") -> int:
@@ -309,14 +317,20 @@ def bubble_of(timeline: list[list[dict]]) -> float:
     return 1.0 - busy / (len(timeline) * span)
 
 
-def peak_in_flight(order: list[Op], v: int | None = None) -> float:
+def peak_in_flight(order: list[Op], v: int | None = None, until: str = "B") -> float:
     """Most micro-batches (of a whole stage) whose activations a rank holds at any point of `order`: a chunk's
-    count 1/v of a stage's, held from its F to its B. m for GPipe, min(p - rank, m) for 1F1B and ZB-H1 (whose W keeps
-    only the inputs of the weight matmuls, Qi et al.'s M_W, not counted here), `theory.pipeline.interleaved_in_flight`
-    for interleaved 1F1B."""
+    count 1/v of a stage's, held from its F to its B (``until="B"``) or to its W (``until="W"``, for a split backward:
+    a W still needs the inputs of the weight matmuls, Qi et al.'s M_W, 32sbh of a layer's sb(34h + 5as) by their
+    table 1, and the course's runner keeps the whole graph until W). Until B: m for GPipe, min(p - rank, m) for 1F1B
+    and ZB-H1, `theory.pipeline.interleaved_in_flight` for interleaved 1F1B; ZB-V and DualPipeV
+    (`theory.pipeline.v_shape_in_flight`) hold as many counted either way."""
+    if until not in ("B", "W"):
+        raise ValueError(f"until={until!r}: count activations until the 'B' or until the 'W'")
+    if until == "W" and not any(op[0] == "W" for op in order):
+        until = "B"                            # an unsplit backward frees them itself
     v = chunk_count(order) if v is None else v
     live = peak = 0
     for op in order:
-        live += 1 if op[0] == "F" else -1 if op[0] == "B" else 0
+        live += 1 if op[0] == "F" else -1 if op[0] == until else 0
         peak = max(peak, live)
     return peak if v == 1 else peak / v

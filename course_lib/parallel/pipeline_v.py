@@ -6,19 +6,23 @@ ranks 0, 1, ..., p - 1 and back up p - 1, ..., 0. Rank 0 holds both the first an
 loss), and rank p - 1 hands its chunk 0's output to its own chunk 1 without a message. Both split the backward into B
 (the gradient of the chunk's input, which the previous position waits for) and W (the weight gradients, which nobody
 waits for) and use W to fill what would be idle time. Ops are ``("F" | "B" | "W", micro-batch, chunk)``; a backward
-that is not split is written B immediately followed by its W (the same arithmetic as one backward).
+that is not split is written B immediately followed by its W (the same gradients as one backward).
 
 * `zbv_order(p, m, rank)`: ZB-V (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 6): with t_F = t_B = t_W
-  its steady state has no idle time at the peak activation memory of 1F1B (2 p chunk activations on rank 0, that
-  is p micro-batches of a whole stage).
-* `dualpipev_order(p, m, rank)`: DualPipeV, the "cut-in-half" DualPipe of DeepSeek (DeepSeek-V3 technical report,
-  section 3.2.1; repository deepseek-ai/DualPipe): in its steady state a rank pairs the forward of one chunk with the
-  backward of the other, so that on GPUs the all-to-all of one hides under the computation of the other (here the
-  pair runs one after the other: nothing to hide on a dense model). Needs m >= 2 p.
+  every rank is busy from its own first op to its last, at the peak activation memory of 1F1B's rank 0 (2 p chunk
+  activations, that is p micro-batches of a whole stage) on every rank.
+* `dualpipev_order(p, m, rank)`: DualPipeV, DeepSeek's DualPipe (DeepSeek-V3 technical report, section 3.2.1) cut in
+  half to the V placement (repository deepseek-ai/DualPipe, which credits the cut-in-half procedure to Sea AI Lab):
+  in its steady state a rank pairs the forward of one chunk with the backward of the other. A model that provides
+  an overlapped forward-backward can hide the all-to-all of one under the computation of the other (DeepSeek
+  rearranges the pair's parts and splits the GPU's SMs between communication and computation); without one,
+  DeepSeek's ``dualpipev.py``, PyTorch's ``ScheduleDualPipeV`` and this course's runner run the pair one after the
+  other. Needs m >= 2 p.
 
-Both are written from the papers' descriptions of their phases; tests/test_pipeline_v.py checks each order op for op
-against PyTorch's ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV`` (torch.distributed.pipelining, torch 2.14) and
-each step against one process on gloo ranks.
+ZB-V follows the phases of Qi et al., section 6; DualPipeV the eight steps of DeepSeek's ``dualpipev.py`` (which
+PyTorch's ``ScheduleDualPipeV`` follows too). tests/test_pipeline_v.py checks each order op for op against PyTorch's
+``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV`` (torch.distributed.pipelining, torch 2.14) and each step against one
+process on gloo ranks.
 """
 
 from __future__ import annotations

@@ -14,13 +14,17 @@ p stages, m micro-batches, t_f / t_b the forward / backward time of one micro-ba
   waits for). Scheduling W into the idle slots, ZB-H1 leaves (p - 1)(t_F + t_B - t_W) of idle time per
   rank instead of 1F1B's (p - 1)(t_F + t_B + t_W), with 1F1B's memory; ZB-H2 removes the bubble almost
   entirely by holding more activations.
-- V-shaped schedules (ZB-V, Qi et al. 2023 section 6; DualPipeV, DeepSeek's DualPipe cut in half): two chunks per rank,
-  rank r holding positions r and 2 p - 1 - r of the 2 p, the backward split into B and W. With every chunk's F, B
-  and W lasting t (a stage's F lasts 2 t), both leave (p - 1) t idle per rank (m >= 2 p - 1 for ZB-V, m >= 2 p for
-  DualPipeV): a step of 6 m t + (p - 1) t, an idle fraction (p - 1) / (6 m + p - 1), half ZB-H1's idle time and a
-  sixth of 1F1B's. ZB-V holds at most 2 p chunk activations on every rank (p micro-batches of a whole stage: 1F1B's
-  rank-0 peak), DualPipeV 2 p + 1. A micro-batch crosses 2 p - 1 chunk boundaries each way, but the one at the
-  bottom of the V stays on rank p - 1: 4 (p - 1) messages, twice 1F1B's.
+- V-shaped schedules (ZB-V, Qi et al. 2023 section 6; DualPipeV, DeepSeek's DualPipe cut in half, a procedure the
+  DualPipe README credits to Sea AI Lab): two chunks per rank, rank r holding positions r and 2 p - 1 - r of the 2 p,
+  the backward split into B and W. With every chunk's F, B and W lasting t (a stage's F lasts 2 t), a step that ends
+  in a synchronized optimizer step lasts 6 m t + (p - 1) t for both (m >= 2 p - 1 for ZB-V, m >= 2 p for DualPipeV):
+  (p - 1) t idle per rank, the fill (the last rank's first input needs p - 1 chunk forwards), an idle fraction
+  (p - 1) / (6 m + p - 1), half ZB-H1's idle time and a sixth of 1F1B's. Every ZB-V rank is busy from its own first
+  op to its last, Qi et al.'s "zero bubble" (their bubble rate counts each stage's own span, section 5.3, and they
+  remove the optimizer step's synchronization, sections 2.2 and 4); DualPipeV's rank 0 is not. ZB-V holds at most
+  2 p chunk activations on every rank (p micro-batches of a whole stage: 1F1B's rank-0 peak), DualPipeV 2 p + 1. A
+  micro-batch crosses 2 p - 1 chunk boundaries each way, but the one at the bottom of the V stays on rank p - 1:
+  4 (p - 1) messages, twice 1F1B's.
 - Activation memory: GPipe holds all m micro-batches at its peak; 1F1B holds at most p - rank on rank
   `rank` (the first stage is the worst: p), so 1F1B's peak is min(p, m) / m of GPipe's.
 """
@@ -108,6 +112,8 @@ def p2p_messages_per_microbatch(p: int, v: int = 1, placement: str = "loop") -> 
     if p < 1 or v < 1:
         raise ValueError(f"need p >= 1 stages and v >= 1 chunks; got p={p}, v={v}")
     if placement == "v":
+        if v != 2:
+            raise ValueError(f"the V placement gives each rank 2 chunks, not v={v}")
         return 4 * (p - 1)
     return 2 * (v * p - 1)
 
@@ -122,8 +128,9 @@ def _check_v(kind: str, p: int, m: int) -> None:
 
 
 def v_shape_idle_time(kind: str, p: int, m: int, t: float) -> float:
-    """Idle time per rank of ZB-V (m >= 2 p - 1) or DualPipeV (m >= 2 p) when every chunk's F, B and W last t:
-    (p - 1) t. (Unequal F, B, W change it; `pipeline_schedules.simulate` gives it for any times.)"""
+    """Idle time per rank of one ZB-V (m >= 2 p - 1) or DualPipeV (m >= 2 p) step, from the first op of any rank to the
+    last, when every chunk's F, B and W last t: (p - 1) t, the fill. (Unequal F, B, W times can leave more;
+    `pipeline_schedules.simulate` gives it for any times.)"""
     _check_v(kind, p, m)
     return (p - 1) * t
 
@@ -136,9 +143,10 @@ def v_shape_bubble_fraction(kind: str, p: int, m: int) -> float:
 
 
 def v_shape_in_flight(kind: str, p: int, m: int, rank: int = 0) -> float:
-    """Micro-batches of a whole stage whose activations rank `rank` holds at its peak (a chunk counts 1/2, held from
-    its F to its B, as `pipeline_schedules.peak_in_flight` counts; a W keeps only its weight matmuls' inputs):
-    ZB-V min(2 p, m + rank + 1, 2 m) / 2 (p from m >= 2 p - 1 on, on every rank), DualPipeV (2 p + 1) / 2 (m >= 2 p)."""
+    """Micro-batches of a whole stage whose activations rank `rank` holds at its peak, a chunk counting 1/2 from its F
+    to its W (what the course's runner holds: it keeps a split backward's graph until W; counted to the B instead,
+    the peaks are the same): ZB-V min(2 p, m + rank + 1, 2 m) / 2 (p from m >= 2 p - 1 on, on every rank), DualPipeV
+    (2 p + 1) / 2 (m >= 2 p)."""
     _validate(p, m)
     if not 0 <= rank < p:
         raise ValueError(f"need 0 <= rank < p; got rank={rank}, p={p}")

@@ -15,7 +15,8 @@ The learner also writes ``v_order(p, m, rank) -> [("F" | "B" | "W", micro_batch,
 zero-bubble order (chunk 0 of rank r at ring position r, chunk 1 at 2 p - 1 - r), judged by its own four rules:
 all the work (F, B and W of every (micro-batch, chunk), in that order), the dependencies in the V placement, idle time
 per rank at most (p - 1) t when every chunk's F, B and W last t (`theory.pipeline.v_shape_idle_time`: only the
-pipeline fill), and at most 2 p chunk activations held (p micro-batches of a whole stage, 1F1B's rank-0 peak).
+pipeline fill), and at most 2 p chunk activations held, each from its F to its W (p micro-batches of a whole stage,
+1F1B's rank-0 peak; the course's runner keeps a split backward's graph until W).
 
 Each failure raises `CheckFailed` with a one-line message naming the case.
 """
@@ -114,12 +115,13 @@ def v_problems(v_order, p: int, m: int) -> None:
             raise CheckFailed(f"{name}: F, B and W of every (micro-batch, chunk) once, in that order", str(e),
                               "each of the 2 m (micro-batch, chunk) pairs of the rank needs one F, then one B, then "
                               "one W, all in this rank's list") from None
-        held, cap = schedules.peak_in_flight(order, 2), min(p, m)
+        held, cap = schedules.peak_in_flight(order, 2, until="W"), min(p, m)
         if held > cap + _SLACK:
-            raise CheckFailed(f"{name}: activations in flight (micro-batches of a whole stage, a chunk counts 1/2)",
-                              f"expected at most {cap:g} (2 p chunks), got {held:g}",
-                              "a chunk's activations are held from its F to its B: start backwards before the "
-                              "forwards pile up (1F1B's rank-0 peak is the cap on every rank)")
+            raise CheckFailed(f"{name}: activations in flight (a chunk's from its F to its W)",
+                              f"expected at most {2 * cap:g} chunks ({cap:g} micro-batches of a whole stage), got "
+                              f"{2 * held:g}",
+                              "a chunk's activations are held from its F until its W: start backwards before the "
+                              "forwards pile up, and run each W soon after its B except in the drain")
         orders.append(order)
     try:
         timeline = schedules.simulate(orders, t_f=1.0, t_b=1.0, t_w=1.0, placement="v")
