@@ -15,18 +15,16 @@ chunk fed the wrong input is off by far more). Timings are never asserted.
 
 from __future__ import annotations
 
-import sys
 
-import cloudpickle
 import pytest
 import torch
 
 from course_lib import theory
 from course_lib.data import random_batches
-from course_lib.runtime.launch import run
 from course_lib.lessons.l03_pipeline_parallel import experiments as pipeline_lab
 from course_lib.model import build_model
 from course_lib.runtime.nccl_rules import replay_pairs
+from pipeline_runs import ATOL, RTOL, assert_equals_one_process, launch
 from course_lib.one_process import train_reference
 from course_lib.parallel.pipeline import build_chunks, run_schedule
 from course_lib.parallel.pipeline_messages import adjacent_plan, p2p_plan
@@ -34,9 +32,7 @@ from course_lib.parallel.pipeline_schedules import (bubble_of, interleaved_order
                                                     peak_in_flight, schedule_orders, simulate, validate_interleaving,
                                                     validate_order, zb_h1_order)
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-RTOL, ATOL = 1e-5, 1e-6
 CASES = [(p, v, m) for p in range(1, 7) for v in (1, 2, 3, 4) for m in range(p, 4 * p + 1, p)]
 
 
@@ -243,42 +239,21 @@ def test_a_split_backward_without_its_w_fails(monkeypatch):
 
 # ------------------------------------------------------------------------------ distributed
 
-def _rank_all(cfg, batch, ms):
-    return {m: pipeline_lab.rank_beyond_1f1b(cfg, batch, m, v=2) for m in ms}
-
-
-def _launch(p, ms):
-    cfg = pipeline_lab.pipeline_config(n_layer=2 * p)     # v p = 2p chunks of one block each
-    res = run(_rank_all, nprocs=p, args=(cfg, 8, ms), timeout_s=240, stream=False, backend="gloo")
-    return cfg, res.returns
-
-
 @pytest.fixture(scope="module")
 def two_ranks():
-    return _launch(2, (2, 4))
+    return launch(2, (2, 4))
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return _launch(4, (4,))
+    return launch(4, (4,))
 
 
 def _check(cfg, returns, p):
     ref = train_reference(cfg, random_batches(cfg, 8), optimizer=None)
     for m, runs in returns[0].items():
         for key in runs:
-            assert "error" not in runs[key], f"{key} refused on gloo: {runs[key].get('error')}"
-            grads = {}
-            for r in returns:
-                assert not set(grads) & set(r[m][key]["grads"]), f"{key}: a parameter on two ranks"
-                grads.update(r[m][key]["grads"])
-            assert grads.keys() == ref["grads"].keys(), f"{key} p={p} m={m}: misses parameters"
-            for name, g in ref["grads"].items():
-                torch.testing.assert_close(grads[name], g, rtol=RTOL, atol=ATOL,
-                                           msg=lambda s: f"{key} p={p} m={m} grad {name}: {s}")
-            losses = [x for r in returns for x in r[m][key]["losses"]]
-            assert len(losses) == m
-            assert sum(losses) / m == pytest.approx(ref["losses"][0], rel=1e-6), f"{key} p={p} m={m}"
+            assert_equals_one_process(ref, returns, p, m, key)
         ours = [x for r in returns for x in r[m]["interleaved"]["losses"]]
         torch_losses = [x for r in returns for x in r[m]["ScheduleInterleaved1F1B"]["losses"]]
         assert ours == pytest.approx(torch_losses, rel=1e-6, abs=0)     # micro-batch by micro-batch

@@ -15,10 +15,8 @@ micro-batch by micro-batch, each rank ran exactly its order. Timings are never a
 
 from __future__ import annotations
 
-import sys
 from types import SimpleNamespace
 
-import cloudpickle
 import pytest
 import torch
 
@@ -32,12 +30,8 @@ from course_lib.parallel.pipeline_messages import p2p_plan
 from course_lib.parallel.pipeline_schedules import (bubble_of, neighbours, peak_in_flight, position, schedule_orders,
                                                     simulate, validate_order)
 from course_lib.parallel.pipeline_v import dualpipev_order, zbv_order
-from course_lib.runtime.launch import run
 from course_lib.runtime.nccl_rules import replay_pairs
-
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-RTOL, ATOL = 1e-5, 1e-6
+from pipeline_runs import ATOL, RTOL, assert_equals_one_process, launch
 
 
 def _torch_order(name: str, p: int, m: int, rank: int) -> list[tuple]:
@@ -216,24 +210,14 @@ def test_one_rank_equals_the_model():
 
 # ------------------------------------------------------------------------------ distributed
 
-def _rank_all(cfg, batch, ms):
-    return {m: pipeline_lab.rank_v_schedules(cfg, batch, m) for m in ms}
-
-
-def _launch(p, ms):
-    cfg = pipeline_lab.pipeline_config(n_layer=2 * p)     # 2 p chunks of one block each
-    res = run(_rank_all, nprocs=p, args=(cfg, 8, ms), timeout_s=240, stream=False, backend="gloo")
-    return cfg, res.returns
-
-
 @pytest.fixture(scope="module")
 def two_ranks():
-    return _launch(2, (2, 4))
+    return launch(2, (2, 4), v_shaped=True)
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return _launch(4, (8,))
+    return launch(4, (8,), v_shaped=True)
 
 
 def _check(cfg, returns, p):
@@ -242,18 +226,8 @@ def _check(cfg, returns, p):
         expected = {"zb-v", "ScheduleZBVZeroBubble"} | ({"dualpipev", "ScheduleDualPipeV"} if m >= 2 * p else set())
         assert set(runs) == expected, (p, m)
         for key in runs:
-            assert "error" not in runs[key], f"{key} refused on gloo: {runs[key].get('error')}"
-            grads = {}
-            for r in returns:
-                assert not set(grads) & set(r[m][key]["grads"]), f"{key}: a parameter on two ranks"
-                grads.update(r[m][key]["grads"])
-            assert grads.keys() == ref["grads"].keys(), f"{key} p={p} m={m}: misses parameters"
-            for name, g in ref["grads"].items():
-                torch.testing.assert_close(grads[name], g, rtol=RTOL, atol=ATOL,
-                                           msg=lambda s: f"{key} p={p} m={m} grad {name}: {s}")
-            losses = [x for r in returns for x in r[m][key]["losses"]]
-            assert len(losses) == m and returns[0][m][key]["losses"], f"{key}: the loss is not on rank 0"
-            assert sum(losses) / m == pytest.approx(ref["losses"][0], rel=1e-6), f"{key} p={p} m={m}"
+            assert_equals_one_process(ref, returns, p, m, key)
+            assert returns[0][m][key]["losses"], f"{key}: the loss is not on rank 0"
         for name in (n for n in pipeline_lab.TORCH_V_SHAPED if n in runs):
             ours = returns[0][m][pipeline_lab.TWIN[name]]["losses"]
             assert ours == pytest.approx(returns[0][m][name]["losses"], rel=1e-6, abs=0)   # micro-batch by micro-batch

@@ -36,7 +36,7 @@ __all__ = ["zbv_order", "dualpipev_order", "validate_dualpipev"]
 class _Ops:
     """An op list with one counter per (kind, chunk): ``f(c)`` appends the forward of chunk c's next micro-batch,
     ``b(c)`` the next input-gradient backward B (its W queued), ``full(c)`` the next backward B + W at once,
-    ``w()`` the oldest queued W, ``w_of(c)`` chunk c's oldest queued W."""
+    ``w()`` the oldest queued W, ``w_of(c)`` chunk c's oldest queued W, ``group(c)`` F, B, W of chunk c."""
 
     def __init__(self):
         self.ops: list[Op] = []
@@ -64,6 +64,12 @@ class _Ops:
         if self.queued:
             i, c = self.queued.pop(0)
             self.ops.append(("W", i, c))
+
+    def group(self, c: int) -> None:
+        """F, B and W of chunk c's next micro-batch, back to back."""
+        self.f(c)
+        self.b(c)
+        self.w_of(c)
 
     def w_of(self, c: int) -> None:
         k = next(k for k, (_, cc) in enumerate(self.queued) if cc == c)
@@ -95,17 +101,13 @@ def zbv_order(p: int, m: int, rank: int) -> list[Op]:
         o.f(1)
         o.f(0)
     for _ in range(p - rank):
-        o.f(1)
-        o.b(1)
-        o.w_of(1)
+        o.group(1)
     while o.next[("F", 1)] < o.next[("F", 0)] or o.next[("F", 0)] < n:
         if o.next[("F", 0)] < n:
             o.f(0)
         o.b(0)
         o.w_of(0)
-        o.f(1)
-        o.b(1)
-        o.w_of(1)
+        o.group(1)
     for _ in range(rank):
         o.b(0)
         o.b(1)
