@@ -58,7 +58,10 @@ BROWSER_TEST = "tests/test_browser.py"
 CHROMIUM = Path(os.environ.get("COURSE_CHROMIUM", "/usr/bin/chromium"))  # as course_lib.instructor.browser.chromium()
 # COURSE_NCCL_RULES=1: every rank started by the tests, lessons and solutions checks NCCL's rules on gloo
 # (course_lib/runtime/nccl_rules.py), so that what passes on a CPU does not fail or hang on GPUs.
-TEST_ENV = {"PYTHONHASHSEED": "0", "MPLBACKEND": "Agg", "COURSE_GRADE_LESSONS": "all", "COURSE_NCCL_RULES": "1"}
+# COURSE_READINGS=1: nbval runs every reading a lesson holds back until a prediction is written (the browser test's
+# JupyterLab does not: it runs the lessons as a learner first does, predictions empty).
+TEST_ENV = {"PYTHONHASHSEED": "0", "MPLBACKEND": "Agg", "COURSE_GRADE_LESSONS": "all", "COURSE_NCCL_RULES": "1",
+            "COURSE_READINGS": "1"}
 
 
 def fail(message: str) -> None:

@@ -65,8 +65,12 @@ def _held_back():
 
     from course_lib.lessons.display import after_prediction
 
+    import os
+    from unittest import mock
+
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with contextlib.redirect_stdout(out), mock.patch.dict(os.environ):
+        os.environ.pop("COURSE_READINGS", None)          # the learner's first run: predictions empty, readings held
         assert after_prediction(None, lambda: None) is False
     return out.getvalue().strip()
 

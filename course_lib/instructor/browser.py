@@ -136,7 +136,8 @@ class Lab:
     """One JupyterLab server and one headless Chromium, serving every lesson run in ``run_dir``.
 
     The server runs from ``run_dir`` (notebooks are copied there) with the course's lab settings, in this process's
-    environment without MPLBACKEND (a learner's kernel shows figures inline), plus ``env`` (e.g. ``COURSE_QUICK=1``:
+    environment without MPLBACKEND (a learner's kernel shows figures inline) and COURSE_READINGS (readings wait for a
+    prediction, as on a learner's first run), plus ``env`` (e.g. ``COURSE_QUICK=1``:
     every lesson at its quick CPU sizes). Everything it starts (kernels, their torchrun ranks) carries one process
     tag, and so does Chromium; `close` kills both trees. If this process dies, Linux sends the server SIGTERM (it
     shuts its kernels down) and playwright's driver closes Chromium.
@@ -181,7 +182,8 @@ class Lab:
         widgets = self.run_dir / "lab-user-settings" / "@jupyter-widgets" / "jupyterlab-manager"
         widgets.mkdir(parents=True, exist_ok=True)
         (widgets / "plugin.jupyterlab-settings").write_text(json.dumps({"saveState": True}))
-        env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"} | self.env
+        # COURSE_READINGS (lessons.display.READINGS_VAR) left out: readings wait for a prediction, as a learner's do
+        env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "COURSE_READINGS")} | self.env
         env[procs.TAG_VAR] = procs.nested_tag(self.server_tag)
         with open(self.run_dir / "jupyter.log", "wb") as log:
             self.server = subprocess.Popen(
