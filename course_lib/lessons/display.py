@@ -52,7 +52,7 @@ def _docstring_span(src: str) -> tuple[int, int] | None:
     return offsets[first.lineno - 1], offsets[first.end_lineno]
 
 
-READINGS_VAR = "COURSE_READINGS"      # "1": show every reading without a prediction (tests, a book's run)
+READINGS_VAR = "COURSE_READINGS"      # "1": show every reading without a prediction (the test command sets it)
 
 
 def after_prediction(prediction, compare) -> bool:
