@@ -4,7 +4,8 @@ in half), written in `course_lib.parallel.pipeline_v`.
 Pure functions: each rank's order equals, op for op, what PyTorch's ScheduleZBVZeroBubble / ScheduleDualPipeV compute
 for it (torch.distributed.pipelining, their ``_calculate_single_rank_operations``; an overlapped forward-backward pair
 and a full backward flattened to F, then B, W) for p = 1..6 and every m up to 5 p; the V placement puts the first and
-the last chunk on rank 0 and hands the bottom of the V over in memory; the orders hold `theory.pipeline.v_shape_in_flight`
+the last chunk on rank 0 and hands the bottom of the V over in memory; the orders hold
+`theory.pipeline.v_shape_in_flight`
 micro-batches at their peak, and with equal chunk F, B, W times their simulated idle fraction is
 `theory.pipeline.v_shape_bubble_fraction`; their messages, replayed as NCCL runs them, never deadlock and count
 4 (p - 1) per micro-batch; a step replayed from V timelines keeps the V; bad input is refused by name.

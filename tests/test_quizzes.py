@@ -35,7 +35,8 @@ EXPECTED = {
     "02": {"q1": 2 * 7 / 8 * 400, "q2": 2 * 4 * 10, "q3": 6, "q4": 3400 / (4 * 1000) * 100},
     "03": {"q1": theory.pipeline.bubble_fraction(8, 24),
            "q2": theory.pipeline.peak_microbatches_in_flight("1f1b", 8, 24, rank=2), "q3": "same",
-           # p = 8, m = 16, a stage's F, B, W 2 ms each: 1F1B (m + p - 1)(t_F + t_B + t_W), ZB-V 2 m 3 t + (p - 1) t, t = 1
+           # p = 8, m = 16, a stage's F, B, W 2 ms each: 1F1B (m + p - 1)(t_F + t_B + t_W); ZB-V 2 m 3 t + (p - 1) t
+           # with a chunk's t = 1 ms
            "q4": theory.pipeline.step_time(8, 16, 2.0, 4.0)
            - (6 * 16 * 1.0 + theory.pipeline.v_shape_idle_time("zb-v", 8, 16, 1.0))},
     "04": {"q1": 4, "q2": 1 * 2048 * 12288 * 2 / 1e6, "q3": 1 / 8},

@@ -18,8 +18,9 @@ one queue: a send and a receive between the same ranks posted apart can wait on 
 Interleaved schedules give a rank v chunks (`build_chunks`: ring positions rank, rank + p, ...; rank p - 1 sends to
 rank 0, and on p = 2 both directions join the same two ranks), so their messages follow
 `pipeline_messages.p2p_plan`, an order every pair of ranks agrees on. The V-shaped schedules (ZB-V, DualPipeV:
-`course_lib.parallel.pipeline_v`) give a rank chunks r and 2 p - 1 - r instead (``placement="v"``). Zero-bubble schedules split each backward into
-B (the input's gradient) and W (the weight gradients, later): `course_lib.parallel.split_backward`.
+`course_lib.parallel.pipeline_v`) give a rank chunks r and 2 p - 1 - r instead (``placement="v"``). Zero-bubble
+schedules split each backward into B (the input's gradient) and W (the weight gradients, later):
+`course_lib.parallel.split_backward`.
 
 Papers: GPipe (Huang et al. 2019), PipeDream / 1F1B (Narayanan et al. 2019, 2021 "Megatron-LM"), zero bubble (Qi et
 al. 2023).

@@ -7,7 +7,8 @@ position that produced it)``. NCCL runs the messages between two ranks in the or
 
 * `adjacent_plan(order, rank, p)`: one chunk per rank (GPipe, 1F1B, ZB-H1): the previous op's output with the next op's
   input, from this rank's order alone.
-* `p2p_plan(orders, rank, placement)`: any schedule, chunks included (either placement), from every rank's order: the order of the ideal timeline.
+* `p2p_plan(orders, rank, placement)`: any schedule, chunks included (either placement), from every rank's order:
+  the order of the ideal timeline.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def p2p_plan(orders: list[list[Op]], rank: int, placement: str = "loop") -> list
             out = _message(op, r, p, v, "out", placement)
             if out is not None:
                 key[out[0]] = (t["end"], r, out[0])
-    incoming = sorted((key[m[0]], m[0], m[1]) for m in (_message(op, rank, p, v, "in", placement) for op in orders[rank])
+    incoming = sorted((key[m[0]], m[0], m[1])
+                      for m in (_message(op, rank, p, v, "in", placement) for op in orders[rank])
                       if m is not None and m[1] != rank)
     posted: set = set()
 

@@ -128,7 +128,8 @@ def v_problems(v_order, p: int, m: int) -> None:
     except ValueError as e:
         raise CheckFailed(f"{case}: the orders of all ranks run together in the V placement", str(e),
                           "chunk 0 of rank r is position r, chunk 1 is 2 p - 1 - r: a forward needs the position "
-                          "before it, a B the position after it; draw one micro-batch's path down and back up") from None
+                          "before it, a B the position after it; draw one micro-batch's path down and back up"
+                          ) from None
     span = max(op["end"] for ops in timeline for op in ops)
     idle, bound = span - 6 * m, theory.pipeline.v_shape_idle_time("zb-v", p, m, 1.0)
     if idle > bound + _SLACK:

@@ -90,7 +90,8 @@ def rank_torch_chunked_step(cfg: ModelConfig, x, y, name: str, m: int, v: int = 
     """The step with torch.distributed.pipelining's multi-stage schedules (`name`: "ScheduleInterleaved1F1B",
     "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV") on the same v p chunks as ours;
     ZBV and DualPipeV place them in a V (rank r holds chunks r and 2p - 1 - r, v = 2), the others round-robin.
-    Returns losses (on the rank holding the last chunk) and this rank's gradients, or ``error`` (the exception's type and first line) where PyTorch refuses."""
+    Returns losses (on the rank holding the last chunk) and this rank's gradients, or ``error`` (the exception's type
+    and first line) where PyTorch refuses."""
     import torch.distributed.pipelining as pipelining
 
     rank, p, device = cdist.rank(), cdist.world_size(), cdist.device()
@@ -209,7 +210,8 @@ def op_times(timelines: list[list[dict]]) -> dict[str, float]:
 def replayed(timelines: list[list[dict]]) -> list[list[dict]]:
     """A measured step replayed by `simulate`: every rank runs the ops it ran, in the order it ran them, each op lasting
     the median measured duration of its kind (F, B, W) and chunk on that rank; messages are instant and nothing else
-    waits. The chunks' placement is read from the ops' ring positions (``pos``, as `run_schedule` records them). What the schedule gives with these op times, without the operating system's scheduler: on a shared or
+    waits. The chunks' placement is read from the ops' ring positions (``pos``, as `run_schedule` records them).
+    What the schedule gives with these op times, without the operating system's scheduler: on a shared or
     oversubscribed CPU one op can be stretched several times by a rank that was not running, and the raw timeline then
     shows the scheduler, not the schedule (lesson 03, sections 8 and 9)."""
     orders, durations = [], []
