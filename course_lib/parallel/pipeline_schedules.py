@@ -34,9 +34,11 @@ from course_lib.reference import reference_for
 
 __all__ = ["split_stages", "gpipe_order", "one_f_one_b_order", "naive_order", "interleaved_order", "zb_h1_order",
            "schedule_orders", "simulate", "bubble_of", "peak_in_flight", "validate_order", "validate_interleaving",
-           "op_parts", "neighbours", "chunk_count", "position", "placement_of", "PLACEMENTS"]
+           "op_parts", "neighbours", "chunk_count", "position", "placement_of", "PLACEMENTS", "V_SHAPED"]
 
 PLACEMENTS = ("loop", "v")
+V_SHAPED = ("zb-v", "dualpipev")        # the schedules in the "v" placement, two chunks per rank (`pipeline_v`)
+
 
 @reference_for("00-partial-sum", "03-split-stages")
 def split_stages(n_layers: int, p: int) -> list[tuple[int, int]]:
@@ -171,14 +173,14 @@ def zb_h1_order(p: int, m: int, rank: int) -> list[Op]:
 def placement_of(kind: str) -> str:
     """Where schedule ``kind`` puts a rank's chunks: "v" for the V-shaped schedules ("zb-v", "dualpipev"), else
     "loop" (`position`)."""
-    return "v" if kind in ("zb-v", "dualpipev") else "loop"
+    return "v" if kind in V_SHAPED else "loop"
 
 
 def schedule_orders(kind: str, p: int, m: int, v: int = 1) -> list[list[Op]]:
     """The op list of every rank for ``kind`` in {"naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
     "dualpipev"} (naive forces m = 1; v chunks per rank for "interleaved"; the V-shaped "zb-v" and "dualpipev" always
     hold 2, placed by `placement_of`)."""
-    if kind in ("zb-v", "dualpipev"):
+    if kind in V_SHAPED:
         order = zbv_order if kind == "zb-v" else dualpipev_order
         return [order(p, m, r) for r in range(p)]
     if kind == "naive":

@@ -16,15 +16,14 @@ from course_lib.model import build_model, lm_loss
 from course_lib.one_process import grads_of
 from course_lib.parallel.pipeline import P2P, build_chunks, build_stage, run_schedule, split_microbatches
 from course_lib.parallel.pipeline_messages import p2p_plan
-from course_lib.parallel.pipeline_schedules import (bubble_of, placement_of, position, schedule_orders, simulate,
-                                                    split_stages)
+from course_lib.parallel.pipeline_schedules import (V_SHAPED, bubble_of, placement_of, position, schedule_orders,
+                                                    simulate, split_stages)
 
 __all__ = ["pipeline_config", "bubble_config", "rank_step", "rank_torch_step", "rank_correctness",
            "rank_bubble_sweep", "rank_memory", "rank_torch_chunked_step", "rank_beyond_1f1b", "op_times", "replayed",
            "span_of", "bubble_rows", "rank_v_schedules", "V_SHAPED", "TORCH_V_SHAPED", "TWIN"]
 
-CHUNKED = ("interleaved", "zb-v", "dualpipev")     # schedules whose ranks hold several model chunks
-V_SHAPED = ("zb-v", "dualpipev")                     # two chunks per rank, in the V placement
+CHUNKED = ("interleaved", *V_SHAPED)     # schedules whose ranks hold several model chunks (V_SHAPED: two, in a V)
 
 
 def pipeline_config(n_layer: int = 4, **overrides) -> ModelConfig:

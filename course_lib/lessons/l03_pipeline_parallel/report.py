@@ -77,26 +77,24 @@ def schedules_gantt(measured: dict[str, list[list[dict]]], hardware: str, own_co
         panels.append((f"{name}, {REPLAYED}", replayed(tl), _replay_label(hardware)))
         if own_cores:
             panels.append((f"{name}, measured", tl, hardware))
+    return _panels(panels, xlabel)
+
+
+def schedules_gantt_simulated(timelines: dict[str, list[list[dict]]], unit: str):
+    """Ideal timelines from `simulate` (``timelines[name]``: all ranks), one panel each on a common axis in `unit`,
+    each title saying it is simulated: op times chosen, messages free, no hardware (lesson 03, section 10)."""
+    return _panels([(name, tl, "simulated: chosen op times, free messages, no hardware")
+                    for name, tl in timelines.items()], unit)
+
+
+def _panels(panels: list[tuple[str, list[list[dict]], str]], xlabel: str):
+    """One `pipeline_gantt` per ``(title, timelines, label)``, stacked on a common x axis, each as tall as its ranks."""
     rows = sum(len(tl) for _, tl, _ in panels)
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 0.45 * rows + 0.9 * len(panels) + 0.3), sharex=True,
                              gridspec_kw=dict(height_ratios=[len(tl) for _, tl, _ in panels]))
     axes = np.atleast_1d(axes)
     for k, (ax, (name, tl, label)) in enumerate(zip(axes, panels)):
         pipeline_gantt(tl, label, title=name, ax=ax, xlabel=xlabel if k == len(panels) - 1 else "")
-    fig.tight_layout()
-    return fig
-
-
-def schedules_gantt_simulated(timelines: dict[str, list[list[dict]]], unit: str):
-    """Ideal timelines from `simulate` (``timelines[name]``: all ranks), one panel each on a common axis in `unit`,
-    each title saying it is simulated: op times chosen, messages free, no hardware (lesson 03, section 10)."""
-    fig, axes = plt.subplots(len(timelines), 1, sharex=True,
-                             figsize=(9, sum(0.45 * len(tl) + 0.9 for tl in timelines.values()) + 0.3),
-                             gridspec_kw=dict(height_ratios=[len(tl) for tl in timelines.values()]))
-    axes = np.atleast_1d(axes)
-    for k, (ax, (name, tl)) in enumerate(zip(axes, timelines.items())):
-        pipeline_gantt(tl, "simulated: chosen op times, free messages, no hardware", title=name, ax=ax,
-                       xlabel=unit if k == len(timelines) - 1 else "")
     fig.tight_layout()
     return fig
 
