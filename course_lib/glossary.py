@@ -194,6 +194,9 @@ TERMS: dict[str, str] = {
     "Ulysses all-to-all": "Ulysses 全对全通信",
     "all-to-all": "全对全",
     "grouped-query attention (GQA)": "分组查询注意力（GQA）",
+    "document mask": "文档掩码",
+    "packed sequence": "打包序列",
+    "hybrid context parallelism": "混合上下文并行",
     # mixture of experts and expert parallelism (lesson 11)
     "mixture of experts (MoE)": "混合专家（MoE）",
     "expert": "专家",

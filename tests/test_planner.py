@@ -408,3 +408,21 @@ def test_cp_exchange_on_the_alpha_beta_model():
     node = Cluster("1 x 8 H100", 1, 8, None)
     assert link(node, H100, 2, 4)[1] == H100.link_gbs * 1e9              # tp 2 x cp 4 inside a node
     assert estimate(LLAMA405, H100, node, Layout(1, 2, 1, 3, "full", 1, cp=4), 1, 32768).time["cp"] > 0
+
+
+def test_cp_ring_exposure_flips_at_the_hiding_condition():
+    """The planner's ring hides a step's K/V send exactly when theory.context.ring_hiding_tokens says so: with no
+    latency, forward exposure is 0 at tokens per rank >= b F eff (n_kv/n_head) / (2 BW (2cp+1)/(4cp)) and > 0 below
+    (one formula, two places: the lesson's condition and the planner's price)."""
+    from course_lib.theory import context
+    from course_lib.theory.planner import cp_layer_time
+    eff, cp, tp = 0.4, 4, 8
+    no_latency = Cluster("2 x 8 H100, no latency", 2, 8, 50.0, alpha_us=0.0, inter_alpha_us=0.0)
+    lay = Layout(1, tp, 1, 1, "full", 1, cp=cp, cp_variant="ring")
+    n_star = context.ring_hiding_tokens(H100.bf16_tflops * 1e12 * eff, 50e9, 2,
+                                        LLAMA405.n_kv_head / LLAMA405.n_head, (2 * cp + 1) / (4 * cp))
+    c_star = n_star / 2                                                  # a balanced chunk is n/2 tokens
+    above, below = 2 * cp * math.ceil(c_star * 1.02), 2 * cp * math.floor(c_star * 0.98)
+    assert cp_layer_time(LLAMA405, H100, no_latency, lay, above, eff)["forward_exposed"] == 0
+    assert cp_layer_time(LLAMA405, H100, no_latency, lay, below, eff)["forward_exposed"] > 0
+    assert context.ring_hiding_tokens(312e12, 300e9, pair_fraction=0.5) == pytest.approx(2080)

@@ -158,12 +158,17 @@ def ring_critical_path(seq_len: int, cp: int, split: str = "balanced", diagonal:
     return sum(max(step) for step in ring_step_work(seq_len, cp, split, diagonal))
 
 
-def ring_hiding_tokens(peak_flops: float, bandwidth: float, dtype_bytes: int = 2, kv_fraction: float = 1.0) -> float:
-    """Tokens per rank n above which one ring step's attention, a full chunk pair of n queries and n keys at
-    ``peak_flops`` (4 n^2 C FLOPs: q k^T and P v), outlasts the next K/V chunk's transfer, 2 n C b bytes at
-    ``bandwidth`` bytes/s: n >= b peak / (2 bandwidth) (x ``kv_fraction`` = n_kv_head / n_head with GQA).
-    A lower bound: at a kernel's real efficiency the compute takes longer, and fewer tokens suffice."""
-    return dtype_bytes * peak_flops * kv_fraction / (2 * bandwidth)
+def ring_hiding_tokens(peak_flops: float, bandwidth: float, dtype_bytes: int = 2, kv_fraction: float = 1.0,
+                       pair_fraction: float = 1.0) -> float:
+    """Tokens per rank n above which one ring step's attention, ``pair_fraction`` of a full chunk pair of n queries
+    and n keys at ``peak_flops`` (a full pair: 4 n^2 C FLOPs, q k^T and P v), outlasts the next K/V chunk's
+    transfer, 2 n C b bytes at ``bandwidth`` bytes/s: n >= b peak / (2 bandwidth) x ``kv_fraction`` (n_kv_head /
+    n_head with GQA) / ``pair_fraction``. ``pair_fraction`` = 1: a fully visible pair; the balanced causal split's
+    average step, (2 cp + 1) / (4 cp) of a pair (`causal_work_per_rank` / cp), is what the planner's ring charges
+    (`course_lib.theory.planner.cp_layer_time`, whose forward is exposed exactly below this n when latency is 0).
+    A lower bound: at a kernel's real efficiency the compute takes longer, and fewer tokens suffice; a message's
+    latency (alpha) needs more (lesson 10 fits both on this machine)."""
+    return dtype_bytes * peak_flops * kv_fraction / (2 * bandwidth * pair_fraction)
 
 
 def extra_activation_bytes(variant: str, batch: int, seq_len: int, d_model: int, cp: int, dtype_bytes: int = 4,

@@ -6,6 +6,8 @@ The learner writes, with the signatures below:
     balanced_chunks(cp, rank) -> [i, j];  step_masks(cp, rank, step) -> [[kind]]   10-balanced-split (one process)
     ring_step(q, kv, out, lse, q_start, kv_start, group=None) -> (out, lse, kv)   10-ring-step (3 gloo ranks)
     seq_to_heads(x, group=None), heads_to_seq(y, group=None)                      10-ulysses-reshape (3 gloo ranks)
+    document_mask(q_pos, k_pos, doc_lens) -> bool (nq, nk);
+    document_rows(doc_lens, cp, rank) -> [positions]                              10-document-mask (one process)
 
 Each check compares with a one-process reference (SDPA on the whole sequence, `torch.logsumexp`, slicing the full
 tensor), and a failure raises `CheckFailed` with a one-line message naming the case. The rank-side harnesses
@@ -28,8 +30,8 @@ from course_lib.grading.check import check_close, check_equal, check_true
 from course_lib.lessons.rank_records import RankRecords, replay_records
 from course_lib.parallel.block_attention import attend_block
 
-__all__ = ["check_merge_lse", "check_balanced_split", "rank_try_ring_step", "rank_try_ulysses", "check_records",
-           "MASK_KINDS"]
+__all__ = ["check_merge_lse", "check_balanced_split", "check_document_mask", "check_document_rows", "document_work",
+           "rank_try_ring_step", "rank_try_ulysses", "check_records", "MASK_KINDS"]
 
 MASK_KINDS = ("full", "causal", "skip")
 ATOL = 1e-5                                                           # fp32 attention, values of order 1
@@ -121,6 +123,95 @@ def check_balanced_split(balanced_chunks, step_masks, cps=(1, 2, 3, 4)) -> dict:
         check_equal(f"chunk pairs computed per rank, cp={cp}", work[cp], [2 * cp + 1] * cp,
                     hint="balanced: every rank computes the same number of chunk pairs; count each step's")
     return work
+
+
+# ------------------------------------------------------------------------------ 10-document-mask
+
+def _documents(positions: torch.Tensor, doc_lens: list[int]) -> torch.Tensor:
+    """The document of each global position of a packed sequence (0 for the first document)."""
+    ends = torch.tensor(doc_lens).cumsum(0)                           # one past each document's last position
+    return torch.bucketize(positions, ends, right=True)
+
+
+def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, doc_lens: list[int]) -> torch.Tensor:
+    """(nq, nk): True where the query may see the key: the same document, the key at or before the query."""
+    dq, dk = _documents(q_pos, doc_lens), _documents(k_pos, doc_lens)
+    return (dq[:, None] == dk[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+
+
+DOCUMENT_MASK_CASES = (
+    ("one document of 8 (the plain causal mask)", [8], list(range(8)), list(range(8))),
+    ("documents [3, 5, 4], rows and keys in order", [3, 5, 4], list(range(12)), list(range(12))),
+    ("documents [4, 8, 4], this rank's rows 1, 6, 7, 8, 13 (not in order), every key in gathered order",
+     [4, 8, 4], [1, 6, 7, 8, 13], [0, 1, 6, 7, 8, 13, 2, 3, 4, 5, 9, 10, 11, 12, 14, 15]),
+    ("documents of 1, 1, 2, 1, 3 tokens, keys reversed", [1, 1, 2, 1, 3], list(range(8)), list(range(7, -1, -1))),
+)
+
+
+def check_document_mask(document_mask) -> int:
+    """The learner's ``document_mask(q_pos, k_pos, doc_lens)`` against the rule (the same document, key position at
+    or before the query's) on `DOCUMENT_MASK_CASES`: shape (nq, nk), dtype bool, then every entry; a wrong entry is
+    reported with both positions and their documents. Returns the number of entries checked."""
+    checked = 0
+    for name, doc_lens, q, k in DOCUMENT_MASK_CASES:
+        q_pos, k_pos = torch.tensor(q), torch.tensor(k)
+        got = document_mask(q_pos.clone(), k_pos.clone(), list(doc_lens))
+        check_true(f"document_mask, {name}: returns a torch.Tensor", isinstance(got, torch.Tensor),
+                   hint="return a (len(q_pos), len(k_pos)) bool tensor")
+        check_equal(f"document_mask, {name}: shape (queries, keys)", list(got.shape), [len(q), len(k)],
+                    hint="one row per query position, one column per key position, in the order given")
+        check_equal(f"document_mask, {name}: dtype", str(got.dtype), str(torch.bool),
+                    hint="True = may attend (the boolean attn_mask of scaled_dot_product_attention), not an "
+                         "additive 0 / -inf float mask")
+        want = _allowed(q_pos, k_pos, doc_lens)
+        wrong = (got != want).nonzero()
+        if len(wrong):
+            i, j = wrong[0].tolist()
+            dq, dk = _documents(q_pos[i:i + 1], doc_lens).item(), _documents(k_pos[j:j + 1], doc_lens).item()
+            why = ("the same document, the key at or before the query" if want[i, j] else
+                   "another document" if dq != dk else "the key comes after the query")
+            check_equal(f"document_mask, {name}: query at position {q[i]} (document {dq}), key at position "
+                        f"{k[j]} (document {dk}) [row {i}, column {j}]", bool(got[i, j]), bool(want[i, j]),
+                        hint=f"expected {bool(want[i, j])}: {why}; positions are global (0 .. s-1) and a "
+                             "document runs from the sum of the lengths before it")
+        checked += want.numel()
+    return checked
+
+
+def document_work(rows: list[int], doc_lens: list[int]) -> int:
+    """Visible (query, key) pairs of these query rows under the document mask: attention work in score elements."""
+    pos = torch.tensor(rows, dtype=torch.long)
+    first = torch.tensor([0] + list(doc_lens)).cumsum(0)[_documents(pos, doc_lens)]   # each row's document start
+    return int((pos - first + 1).sum())
+
+
+DOCUMENT_ROW_CASES = ((1, [6, 2]), (2, [4, 12, 8]), (2, [20, 4]), (3, [6, 18, 12]), (4, [8, 32, 8, 16]))
+
+
+def check_document_rows(document_rows, cases=DOCUMENT_ROW_CASES) -> dict:
+    """The rules (every rank holds s/cp positions, each of 0 .. s-1 exactly once) and the goal (every rank's
+    queries have the same number of visible pairs under the document mask) for each (cp, document lengths) case;
+    every length a multiple of 2cp. Any assignment that meets them passes. Returns {case: work per rank}."""
+    out = {}
+    for cp, doc_lens in cases:
+        s = sum(doc_lens)
+        where = f"document_rows(doc_lens={doc_lens}, cp={cp}"
+        ranks = []
+        for r in range(cp):
+            got = [int(x) for x in document_rows(list(doc_lens), cp, r)]
+            check_equal(f"{where}, rank={r}): number of positions", len(got), s // cp,
+                        hint="every rank holds the same number of tokens, s / cp")
+            ranks.append(got)
+        check_equal(f"{where}) over every rank, sorted: each position 0 .. {s - 1} held once",
+                    sorted(x for rows in ranks for x in rows), list(range(s)),
+                    hint="positions are global: a document's tokens start at the sum of the lengths before it")
+        work = [document_work(rows, doc_lens) for rows in ranks]
+        check_equal(f"{where}): visible (query, key) pairs per rank (ranks' positions {ranks})", work,
+                    [sum(work) // cp] * cp,
+                    hint="inside one document a late token sees more keys than an early one, and a long "
+                         "document holds more work than a short one: balance within every document")
+        out[(cp, tuple(doc_lens))] = work
+    return out
 
 
 # ------------------------------------------------------------------------------ ranks
