@@ -23,6 +23,7 @@ from course_lib.lessons.l11_experts.experiments import mixtral_config
 from course_lib.lessons.quizzes import QUIZZES, quiz, score
 from course_lib.measure.hardware import GPU_SPECS
 from course_lib.parallel import moe, schedules
+from course_lib.parallel.context_documents import document_work_per_rank
 from course_lib.theory import practice
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +57,10 @@ EXPECTED = {
            "q5": (2 * 100 + 3 * 300 + 2 * 200 + 3 * 400) / 1000 - (2 + 3 + 2 + 3) / 4},   # tokens vs micro-batches
     "10": {"q1": theory.context.layer_comm("ring", 1, 131072, 4096, 8, 2)[("forward", "send")]["bytes"] / 1e9,
            "q2": theory.context.ring_critical_path(4096, 8, "contiguous", "half")
-           / theory.context.ring_critical_path(4096, 8, "balanced", "half"), "q3": 8},   # 8 K/V heads of Llama-3-8B
+           / theory.context.ring_critical_path(4096, 8, "balanced", "half"), "q3": 8,    # 8 K/V heads of Llama-3-8B
+           "q4": (lambda w: max(w) / min(w))(document_work_per_rank([1024, 3072, 4096], 2, "head_tail")),
+           "q5": sum(theory.context_hybrid.hybrid_bytes_sent_per_rank(1, 131072, 4096, 8, 2, 2, "forward").values())
+           / 1e9},
     "11": {"q1": theory.experts.uniform_layer_comm(4096, 8, 7168, 8, dtype_bytes=2)["payload"] / 1e6,
            "q2": sum(max(0, n - moe.capacity_of(1.0, 1024, 1, 4)) for n in (400, 208, 208, 208)),   # no rerouting:
            # the 3 x 48 free places of the other experts do not take expert 0's 144 extra tokens

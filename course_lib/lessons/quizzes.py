@@ -76,6 +76,10 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
         "q2": ("922458c31577bd43acd66d0d", 0.001, "section 3: each step lasts as long as its slowest rank; the causal "
                "flash kernel's convention"),
         "q3": ("423687081bf0b29c94348f45", None, "section 4: Ulysses gives each rank whole heads, K/V heads included"),
+        "q4": ("2c20ec375a325ec160fb944e", 0.01, "section 7: which tokens each rank's queries are under the head-tail "
+               "split, and how many keys a token sees inside its document"),
+        "q5": ("11bdde3a918c6d4f3d6a5502", 0.01, "section 8: what the all-to-all puts on the wire inside the group, "
+               "and what the ring sends across"),
     },
     "11": {
         "q1": ("bcce44ab22ec12b903d7ba67", 0.01, "section 3: what one dispatch carries, counted row by row"),

@@ -26,6 +26,8 @@
     block_attention.py     blockwise attention with the online softmax, one process          lesson 10
     context_attention.py   attention over a sequence split across cp ranks: ring, all-gather, Ulysses  lesson 10
     context.py             context parallelism applied to a plain GPT                        lesson 10
+    context_documents.py   packed documents: document-masked all-gather CP, per-document balance  lesson 10
+    context_hybrid.py      hybrid CP: Ulysses inside groups of u ranks, the ring across       lesson 10
     moe.py                 a mixture-of-experts layer in one process: router, dispatch, combine lesson 11
     experts.py             expert parallelism: experts sharded over ep ranks, all-to-all     lesson 11
     float8.py              FP8 from scratch: scales, saturating casts, a linear in FP8        lesson 12

@@ -13,6 +13,8 @@
 - :mod:`course_lib.theory.experts`: parameters, FLOPs, balancing loss and all-to-all bytes of mixtures of experts
   (lesson 11).
 - :mod:`course_lib.theory.savers`: activation checkpointing, accumulation and attention memory (lesson 07).
+- :mod:`course_lib.theory.documents`, :mod:`course_lib.theory.context_hybrid`: packed documents' attention work per
+  rank, hybrid CP's bytes and Ulysses' head caps (lesson 10).
 - :mod:`course_lib.theory.practice`: GPU-hours and money of a run, the optimum checkpoint interval (lesson 09).
 
 Every formula is checked against a measurement in the tests. ``from course_lib import theory`` gives them all:
@@ -21,6 +23,8 @@ May import: the core, `course_lib.measure` (hardware facts) and itself (tests/te
 technique, no launcher and no lesson.
 """
 
-from course_lib.theory import comm, context, experts, flops, memory, pipeline, practice, savers, tensor
+from course_lib.theory import (comm, context, context_hybrid, documents, experts, flops, memory, pipeline, practice,
+                               savers, tensor)
 
-__all__ = ["comm", "context", "experts", "flops", "memory", "pipeline", "practice", "savers", "tensor"]
+__all__ = ["comm", "context", "context_hybrid", "documents", "experts", "flops", "memory", "pipeline", "practice",
+           "savers", "tensor"]

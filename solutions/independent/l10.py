@@ -98,4 +98,31 @@ def heads_to_seq(y: torch.Tensor, group=None) -> torch.Tensor:
     # part j received = my tokens of rank j's heads: head groups in rank order
     return recv.permute(1, 2, 0, 3, 4).reshape(B, n, cp * h, D)
 """,
+    "10-document-mask": r"""def document_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, doc_lens: list[int]) -> torch.Tensor:
+    '''Which keys each query may attend in a packed sequence (lesson 10, section 7).
+
+    q_pos (nq,), k_pos (nk,): global positions (int64, any order); doc_lens: the documents' lengths in order.
+    -> bool (nq, nk): True where the key is in the query's document and not after it.'''
+    # label every position with its document: the number of document ends at or before it
+    ends = torch.cumsum(torch.tensor(doc_lens, dtype=torch.long, device=q_pos.device), dim=0)
+    q_doc = torch.bucketize(q_pos, ends, right=True)
+    k_doc = torch.bucketize(k_pos.to(q_pos.device), ends, right=True)
+    same_doc = q_doc.unsqueeze(1) == k_doc.unsqueeze(0)
+    not_later = k_pos.to(q_pos.device).unsqueeze(0) <= q_pos.unsqueeze(1)
+    return same_doc & not_later
+
+
+def document_rows(doc_lens: list[int], cp: int, rank: int) -> list[int]:
+    '''The global positions `rank` holds so that every rank has the same attention work under the document mask.'''
+    # inside a document of length L, offset t sees t + 1 keys, so offsets t and L - 1 - t together see L + 1:
+    # deal the L / 2 such pairs round-robin, and every rank gets L / (2 cp) pairs of every document
+    rows = []
+    start = 0
+    for length in doc_lens:
+        for t in range(rank, length // 2, cp):
+            rows.append(start + t)
+            rows.append(start + length - 1 - t)
+        start += length
+    return rows
+""",
 }

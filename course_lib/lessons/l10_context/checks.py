@@ -28,9 +28,10 @@ from course_lib import dist as cdist
 from course_lib.measure.collective_counter import CollectiveCounter
 from course_lib.grading.check import check_close, check_equal, check_true
 from course_lib.lessons.rank_records import RankRecords, replay_records
+from course_lib.parallel import context_documents
 from course_lib.parallel.block_attention import attend_block
 
-__all__ = ["check_merge_lse", "check_balanced_split", "check_document_mask", "check_document_rows", "document_work",
+__all__ = ["check_merge_lse", "check_balanced_split", "check_document_mask", "check_document_rows",
            "rank_try_ring_step", "rank_try_ulysses", "check_records", "MASK_KINDS"]
 
 MASK_KINDS = ("full", "causal", "skip")
@@ -127,16 +128,9 @@ def check_balanced_split(balanced_chunks, step_masks, cps=(1, 2, 3, 4)) -> dict:
 
 # ------------------------------------------------------------------------------ 10-document-mask
 
-def _documents(positions: torch.Tensor, doc_lens: list[int]) -> torch.Tensor:
-    """The document of each global position of a packed sequence (0 for the first document)."""
-    ends = torch.tensor(doc_lens).cumsum(0)                           # one past each document's last position
-    return torch.bucketize(positions, ends, right=True)
-
-
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, doc_lens: list[int]) -> torch.Tensor:
     """(nq, nk): True where the query may see the key: the same document, the key at or before the query."""
-    dq, dk = _documents(q_pos, doc_lens), _documents(k_pos, doc_lens)
-    return (dq[:, None] == dk[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+    return context_documents.document_mask(q_pos, k_pos, context_documents.document_ids(doc_lens))
 
 
 DOCUMENT_MASK_CASES = (
@@ -167,7 +161,8 @@ def check_document_mask(document_mask) -> int:
         wrong = (got != want).nonzero()
         if len(wrong):
             i, j = wrong[0].tolist()
-            dq, dk = _documents(q_pos[i:i + 1], doc_lens).item(), _documents(k_pos[j:j + 1], doc_lens).item()
+            ids = context_documents.document_ids(doc_lens)
+            dq, dk = ids[q[i]].item(), ids[k[j]].item()
             why = ("the same document, the key at or before the query" if want[i, j] else
                    "another document" if dq != dk else "the key comes after the query")
             check_equal(f"document_mask, {name}: query at position {q[i]} (document {dq}), key at position "
@@ -176,13 +171,6 @@ def check_document_mask(document_mask) -> int:
                              "document runs from the sum of the lengths before it")
         checked += want.numel()
     return checked
-
-
-def document_work(rows: list[int], doc_lens: list[int]) -> int:
-    """Visible (query, key) pairs of these query rows under the document mask: attention work in score elements."""
-    pos = torch.tensor(rows, dtype=torch.long)
-    first = torch.tensor([0] + list(doc_lens)).cumsum(0)[_documents(pos, doc_lens)]   # each row's document start
-    return int((pos - first + 1).sum())
 
 
 DOCUMENT_ROW_CASES = ((1, [6, 2]), (2, [4, 12, 8]), (2, [20, 4]), (3, [6, 18, 12]), (4, [8, 32, 8, 16]))
@@ -205,7 +193,7 @@ def check_document_rows(document_rows, cases=DOCUMENT_ROW_CASES) -> dict:
         check_equal(f"{where}) over every rank, sorted: each position 0 .. {s - 1} held once",
                     sorted(x for rows in ranks for x in rows), list(range(s)),
                     hint="positions are global: a document's tokens start at the sum of the lengths before it")
-        work = [document_work(rows, doc_lens) for rows in ranks]
+        work = [context_documents.visible_pairs(torch.tensor(rows), doc_lens) for rows in ranks]
         check_equal(f"{where}): visible (query, key) pairs per rank (ranks' positions {ranks})", work,
                     [sum(work) // cp] * cp,
                     hint="inside one document a late token sees more keys than an early one, and a long "
