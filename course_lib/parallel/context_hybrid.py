@@ -15,10 +15,11 @@ such limit and hides its transfers behind compute, but sends r - 1 chunks. Mixin
 fast links and lets cp grow past the head count. The balanced split stays balanced: Ulysses group g holds chunks
 g u + j and 2cp - 1 - g u - j for j < u, so its query chunks need u (2cp + 1) chunk pairs, the same for every g.
 
-This is Megatron-LM's ``--cp-comm-type a2a+p2p`` with ``--hierarchical-context-parallel-sizes`` (all-to-all in the
-low-level group, point-to-point ring across; the attention itself in Transformer Engine), and USP (Fang & Zhao 2024,
-"USP: A Unified Sequence Parallelism Approach for Long Context Generative AI", arXiv 2405.07719: a ulysses_degree x
-ring_degree mesh, Ulysses inside a node). Positions, splitting, gathering and the gradient all-reduce are those of
+This is Megatron-LM's ``--cp-comm-type a2a+p2p`` with ``--hierarchical-context-parallel-sizes`` (Megatron-Core's
+``ModelParallelConfig``: "the first value of the list indicates the group size of the a2a communication type, and the
+second value indicates the group size of the p2p communication type"), and USP (Fang & Zhao 2024, "USP: A Unified
+Sequence Parallelism Approach for Long Context Generative AI", arXiv 2405.07719), which combines DeepSpeed-Ulysses
+and ring attention the same way. Positions, splitting, gathering and the gradient all-reduce are those of
 `course_lib.parallel.context` over the whole cp group, unchanged:
 
     model = apply_hybrid_context_parallel(build_model(cfg, 0), ulysses=2)       # cp = world size = 2 x 2

@@ -20,8 +20,8 @@ under tensor parallelism (`ulysses_degree_cap`); past the K/V heads, K/V heads m
 
 Llama 3 405B (Dubey et al. 2024, "The Llama 3 Herd of Models": 128 query heads, 8 KV heads; TP 8 in Table 4): a TP
 rank holds 128/8 = 16 query heads and 8/8 = 1 K/V head, so a Ulysses degree above 1 already copies K/V heads, and
-16 is the most that splits the query heads at all. Llama 3 used all-gather context parallelism (CP 16 for its long
-context stage, section 3.3.2), whose only limit is the sequence.
+16 is the most that splits the query heads at all. Llama 3 used all-gather context parallelism (section 3.3.2; CP 16 in
+its long-context stage, Table 4), which has no head limit.
 """
 
 from __future__ import annotations

@@ -136,8 +136,8 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, doc_lens: list[int]) -> t
 DOCUMENT_MASK_CASES = (
     ("one document of 8 (the plain causal mask)", [8], list(range(8)), list(range(8))),
     ("documents [3, 5, 4], rows and keys in order", [3, 5, 4], list(range(12)), list(range(12))),
-    ("documents [4, 8, 4], this rank's rows 1, 6, 7, 8, 13 (not in order), every key in gathered order",
-     [4, 8, 4], [1, 6, 7, 8, 13], [0, 1, 6, 7, 8, 13, 2, 3, 4, 5, 9, 10, 11, 12, 14, 15]),
+    ("documents [4, 8, 4], this rank's rows 13, 1, 8, 6, 7 (not in order), every key in gathered order",
+     [4, 8, 4], [13, 1, 8, 6, 7], [0, 1, 6, 7, 8, 13, 2, 3, 4, 5, 9, 10, 11, 12, 14, 15]),
     ("documents of 1, 1, 2, 1, 3 tokens, keys reversed", [1, 1, 2, 1, 3], list(range(8)), list(range(7, -1, -1))),
 )
 
