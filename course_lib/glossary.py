@@ -212,6 +212,12 @@ TERMS: dict[str, str] = {
     "shared expert": "共享专家",
     "active parameters": "激活参数",
     "total parameters": "总参数",
+    "node-limited routing": "节点受限路由",
+    "grouped GEMM": "分组矩阵乘（grouped GEMM）",
+    "dropless MoE": "无丢弃 MoE",
+    "router z-loss": "路由 z 损失",
+    "expert tensor parallelism": "专家张量并行",
+    "fine-grained experts": "细粒度专家",
     # one device at full speed (lesson 12)
     "FP8 (8-bit floating point)": "8 位浮点（FP8）",
     "scaling factor": "缩放因子",

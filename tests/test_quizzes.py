@@ -64,7 +64,10 @@ EXPECTED = {
     "11": {"q1": theory.experts.uniform_layer_comm(4096, 8, 7168, 8, dtype_bytes=2)["payload"] / 1e6,
            "q2": sum(max(0, n - moe.capacity_of(1.0, 1024, 1, 4)) for n in (400, 208, 208, 208)),   # no rerouting:
            # the 3 x 48 free places of the other experts do not take expert 0's 144 extra tokens
-           "q3": 100 * (lambda p: p["active"] / p["total"])(theory.experts.moe_params(mixtral_config(), 8, 1))},
+           "q3": 100 * (lambda p: p["active"] / p["total"])(theory.experts.moe_params(mixtral_config(), 8, 1)),
+           "q4": theory.moe_imbalance.straggler_step_time(theory.moe_imbalance.skewed_loads(16384, 0.9, 2), 1.0)[
+               "ratio"],
+           "q5": theory.experts_fine.routing_combinations(32, 8)},
     "12": {"q1": torch.finfo(torch.float8_e4m3fn).smallest_normal * 1e4 / torch.finfo(torch.float8_e4m3fn).max,
            "q2": (get_preset("gpt2-124m").padded_vocab(128).vocab_size - 50257) / 50257 * 100,   # only the head grows
            "q3": math.ceil(math.ceil(4096 / 256) * math.ceil(50304 / 128) / GPU_SPECS["H100"].sms)},

@@ -86,6 +86,8 @@ QUIZZES: dict[str, dict[str, tuple[str, float | None, str]]] = {
         "q2": ("d856e54b41f67d43897667ba", None,
                "section 2, capacity: a limit on each expert's queue, or a budget the experts share?"),
         "q3": ("585ba3c09d47d606dd065aa4", 0.02, "section 1: which experts' weights one token's matmuls never touch"),
+        "q4": ("2bec433fc932089c5f26ee1a", 0.01, "section 8: what sets the step when one rank's experts get more rows"),
+        "q5": ("3d9d03d0202eeeb94a2a690a", None, "section 11: the number of ways to choose k of E experts"),
     },
     "12": {
         "q1": ("03f22eddf322a0706b63851e", 0.02, "section 4: the scale maps the amax onto e4m3's largest value"),

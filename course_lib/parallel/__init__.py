@@ -30,6 +30,9 @@
     context_hybrid.py      hybrid CP: Ulysses inside groups of u ranks, the ring across       lesson 10
     moe.py                 a mixture-of-experts layer in one process: router, dispatch, combine lesson 11
     experts.py             expert parallelism: experts sharded over ep ranks, all-to-all     lesson 11
+    experts_tp.py          expert tensor parallelism, EP x ETP: each expert's MLP over etp ranks  lesson 11
+    moe_grouped.py         dropless experts on grouped GEMMs; router z-loss, fp32 router      lesson 11
+    moe_node_limited.py    node-limited routing (DeepSeek-V3) and its dispatch bytes          lesson 11
     float8.py              FP8 from scratch: scales, saturating casts, a linear in FP8        lesson 12
     fast_step.py           one device at full speed: optimizer implementations, compile, switches lessons 01, 12
 

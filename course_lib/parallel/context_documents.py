@@ -18,7 +18,8 @@ boolean matrix of its queries' and the keys' global positions.
 "balanced", PyTorch's ``_HeadTailLoadBalancer``) and ``"per_document"`` (PyTorch's
 ``_PerDocumentHeadTailLoadBalancer``: *every document* in 2cp chunks, rank r holds chunks r and 2cp-1-r of each,
 documents in order). Head-tail evens the plain causal mask's work; under the document mask, of these three, only the
-per-document split gives every rank the same visible pairs, L (L + 1) / 2cp per document (`course_lib.theory.documents`).
+per-document split gives every rank the same visible pairs, L (L + 1) / 2cp per document
+(`course_lib.theory.documents`).
 
 **Positions.** The GPT's learned positions are the packed sequence's (0 .. s-1, not reset per document), so the
 one-process reference is the plain GPT with the (s, s) document mask (`document_reference_loss`); a rank's rows map

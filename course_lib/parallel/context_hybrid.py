@@ -166,7 +166,8 @@ def apply_hybrid_context_parallel(model: nn.Module, ulysses: int, group=None, sp
     else:
         uly, ring = groups
     if cp_rank(uly)[0] * cp_rank(ring)[0] != cp:
-        raise ValueError(f"groups of {cp_rank(uly)[0]} x {cp_rank(ring)[0]} ranks for cp={cp}: need ulysses x ring = cp")
+        raise ValueError(f"groups of {cp_rank(uly)[0]} x {cp_rank(ring)[0]} ranks for cp={cp}: "
+                         f"need ulysses x ring = cp")
     for block in model.blocks:
         block.attn = HybridContextAttention(block.attn, uly, ring, group, split)
     model.pos_emb = ContextParallelPositions(model.pos_emb, group, split)

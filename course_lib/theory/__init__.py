@@ -12,6 +12,9 @@
   parallelism (lesson 10).
 - :mod:`course_lib.theory.experts`: parameters, FLOPs, balancing loss and all-to-all bytes of mixtures of experts
   (lesson 11).
+- :mod:`course_lib.theory.experts_tp`, :mod:`course_lib.theory.experts_fine`, :mod:`course_lib.theory.moe_imbalance`,
+  :mod:`course_lib.theory.moe_routing`: expert tensor parallelism's bytes, fine-grained and shared experts' parameters,
+  a skewed router's straggler and memory, node-limited routing's dispatch bytes (lesson 11).
 - :mod:`course_lib.theory.savers`: activation checkpointing, accumulation and attention memory (lesson 07).
 - :mod:`course_lib.theory.documents`, :mod:`course_lib.theory.context_hybrid`: packed documents' attention work per
   rank, hybrid CP's bytes and Ulysses' head caps (lesson 10).
@@ -23,8 +26,8 @@ May import: the core, `course_lib.measure` (hardware facts) and itself (tests/te
 technique, no launcher and no lesson.
 """
 
-from course_lib.theory import (comm, context, context_hybrid, documents, experts, flops, memory, pipeline, practice,
-                               savers, tensor)
+from course_lib.theory import (comm, context, context_hybrid, documents, experts, experts_fine, experts_tp, flops,
+                               memory, moe_imbalance, moe_routing, pipeline, practice, savers, tensor)
 
-__all__ = ["comm", "context", "context_hybrid", "documents", "experts", "flops", "memory", "pipeline", "practice",
-           "savers", "tensor"]
+__all__ = ["comm", "context", "context_hybrid", "documents", "experts", "experts_fine", "experts_tp", "flops", "memory",
+           "moe_imbalance", "moe_routing", "pipeline", "practice", "savers", "tensor"]

@@ -87,4 +87,22 @@ def expert_parallel_compute(rows: torch.Tensor, counts: torch.Tensor, experts, g
                            group=group)
     return result
 ''',
+    "11-node-limited": r"""def node_limited_topk(scores: torch.Tensor, top_k: int, n_nodes: int, max_nodes: int) -> torch.Tensor:
+    '''Each token's top_k experts, on at most max_nodes of the n_nodes nodes (lesson 11, section 9).
+
+    scores (T, E), experts contiguous per node (E / n_nodes each) -> indices (T, top_k).'''
+    T, E = scores.shape
+    per_node = E // n_nodes
+    take = min(top_k // max_nodes, per_node)                       # K_r / M scores summed per node
+    # stage 1: each node's score is the sum of its `take` best affinities; keep the max_nodes best nodes
+    ranked = torch.sort(scores.reshape(T, n_nodes, per_node), dim=-1, descending=True).values
+    node_score = ranked[..., :take].sum(dim=-1)                    # (T, N)
+    nodes = torch.argsort(node_score, dim=-1, descending=True)[:, :max_nodes]   # (T, M)
+    # stage 2: the candidates are only the experts of those nodes; pick the top_k of them
+    offsets = torch.arange(per_node, device=scores.device)
+    candidates = (nodes.unsqueeze(-1) * per_node + offsets).reshape(T, max_nodes * per_node)
+    candidate_scores = torch.gather(scores, 1, candidates)
+    best = torch.argsort(candidate_scores, dim=-1, descending=True)[:, :top_k]
+    return torch.gather(candidates, 1, best).to(torch.int64)
+""",
 }

@@ -93,7 +93,8 @@ def rank_document_times(doc_lens: list[int], batch: int = 1, n_head: int = 4, he
     rows with random q and gathered K/V (B, H, s, D), timed (fastest of `repeats`, a barrier before each) two ways:
     the dense (n, s) document mask in one SDPA call (every score computed, the masked ones too) and
     `per_document_attention` (each document on its own). Returns {balancer: {"dense_s", "per_document_s",
-    "scores": per-document scores per head, "pairs": visible pairs, "max_diff": |per-document - dense|}}, "hardware"}."""
+    "scores": per-document scores per head, "pairs": visible pairs, "max_diff": |per-document - dense|}},
+    "hardware"}."""
     from course_lib.measure.hardware import hardware_label
 
     cp, r = cp_rank()

@@ -14,8 +14,8 @@ The transfer hides when compute >= transfer. Without the latency this is n >= b 
 :func:`rank_ring_step_costs` measures both sides on every rank of a launch (2 ranks: each one sends right and
 receives left at once, as the ring does), for several n: the full pair's attention (`attend_block`, no mask, fp32
 scores as the ring computes them) and one K/V chunk exchanged (``batch_isend_irecv``), each the fastest of
-``repeats`` after a barrier. :func:`fit_step_costs` fits c0, F (a line through compute time against FLOPs) and alpha, BW (a line
-through transfer time against bytes) and returns the measured and the fitted crossover, so the
+``repeats`` after a barrier. :func:`fit_step_costs` fits c0, F (a line through compute time against FLOPs) and
+alpha, BW (a line through transfer time against bytes) and returns the measured and the fitted crossover, so the
 formula stands beside the measurement.
 """
 
@@ -136,10 +136,12 @@ def step_costs_table(result: dict, fit: dict) -> str:
     for row in result["rows"]:
         lines.append(f"{row['n']:6d} {row['bytes'] / 1e3:7.0f}kB {row['compute_s'] * 1e3:13.3f} "
                      f"{row['model_s'] * 1e3:8.3f} {row['transfer_s'] * 1e3:12.3f} "
-                     f"{row['model_transfer_s'] * 1e3:8.3f} {'yes' if row['compute_s'] >= row['transfer_s'] else 'no':>8s}")
+                     f"{row['model_transfer_s'] * 1e3:8.3f} "
+                     f"{'yes' if row['compute_s'] >= row['transfer_s'] else 'no':>8s}")
     measured = "-" if fit["measured"] is None else f"{fit['measured']:.0f}"
-    lines.append(f"fitted: F = {fit['flops'] / 1e9:.1f} GFLOP/s, c0 = {fit['c0'] * 1e6:.0f} us, alpha = {fit['alpha'] * 1e6:.0f} us, "
-                 f"BW = {fit['bandwidth'] / 1e9:.2f} GB/s | crossover n: measured {measured}, formula with c0 and alpha "
+    lines.append(f"fitted: F = {fit['flops'] / 1e9:.1f} GFLOP/s, c0 = {fit['c0'] * 1e6:.0f} us, "
+                 f"alpha = {fit['alpha'] * 1e6:.0f} us, BW = {fit['bandwidth'] / 1e9:.2f} GB/s | crossover n: "
+                 f"measured {measured}, formula with c0 and alpha "
                  f"{fit['predicted']:.0f}, b F / (2 BW) without them {fit['no_latency']:.0f}")
     return "\n".join(lines)
 
@@ -153,9 +155,11 @@ def step_costs_figure(result: dict, fit: dict):
     rows = result["rows"]
     n = [row["n"] for row in rows]
     fig, ax = plt.subplots(figsize=(6.2, 3.8))
-    ax.plot(n, [row["compute_s"] * 1e3 for row in rows], "o", color="#4C72B0", label="attention of one chunk pair, measured")
+    ax.plot(n, [row["compute_s"] * 1e3 for row in rows], "o", color="#4C72B0",
+            label="attention of one chunk pair, measured")
     ax.plot(n, [row["model_s"] * 1e3 for row in rows], ":", color="#4C72B0", label="c0 + 4 n² C / F (fitted)")
-    ax.plot(n, [row["transfer_s"] * 1e3 for row in rows], "s", color="#DD8452", label="one K/V chunk's transfer, measured")
+    ax.plot(n, [row["transfer_s"] * 1e3 for row in rows], "s", color="#DD8452",
+            label="one K/V chunk's transfer, measured")
     ax.plot(n, [row["model_transfer_s"] * 1e3 for row in rows], ":", color="#DD8452",
             label="alpha + 2 n C b / BW (fitted)")
     if fit["measured"] is not None:

@@ -8,6 +8,7 @@ The learner writes, with the signatures below:
     capacity_keep(indices, n_experts, capacity_factor) -> (keep (T, k), dropped)     11-capacity-drop
     split_sizes(counts, group=None) -> (send, recv, got)
     expert_parallel_compute(rows, counts, experts, group=None) -> out              11-all-to-all-combine (3 ranks)
+    node_limited_topk(scores, top_k, n_nodes, max_nodes) -> indices (T, k)          11-node-limited (one process)
 
 Each check compares with a one-process reference (`course_lib.parallel.moe`), and a failure raises `CheckFailed`
 with a one-line message naming the case. `rank_try_all_to_all` returns records (`rank_records.RankRecords`) that
@@ -21,15 +22,66 @@ import torch.distributed as dist
 
 from course_lib import dist as cdist
 from course_lib.measure.collective_counter import CollectiveCounter
-from course_lib.grading.check import check_close, check_equal
+from course_lib.grading.check import check_close, check_equal, check_true
 from course_lib.lessons.rank_records import RankRecords, replay_records
 from course_lib.parallel.moe import SwiGLUExperts, capacity_of, dispatch_permutation, switch_loss
 
-__all__ = ["check_router_loss", "check_dispatch", "check_capacity", "rank_try_all_to_all", "check_records"]
+__all__ = ["check_router_loss", "check_dispatch", "check_capacity", "check_node_limited", "rank_try_all_to_all",
+           "check_records"]
 
 
 def _logits(T=24, E=6, seed=0, scale=2.0):
     return torch.randn(T, E, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# ------------------------------------------------------------------------------ 11-node-limited
+
+NODE_LIMITED_CASES = (   # (name, T, E, n_nodes, top_k, max_nodes, seed)
+    ("8 experts on 4 nodes, top-4 on at most 2 nodes", 48, 8, 4, 4, 2, 0),
+    ("16 experts on 4 nodes, top-4 on at most 2 nodes", 48, 16, 4, 4, 2, 1),
+    ("12 experts on 3 nodes, top-6 on at most 3 nodes (= plain top-6)", 32, 12, 3, 6, 3, 2),
+    ("12 experts on 6 nodes, top-4 on at most 2 nodes", 48, 12, 6, 4, 2, 3),
+    ("64 experts on 8 nodes, top-8 on at most 4 nodes (DeepSeek-V3's k and M)", 64, 64, 8, 8, 4, 4),
+)
+
+
+def check_node_limited(node_limited_topk, cases=NODE_LIMITED_CASES) -> int:
+    """The learner's ``node_limited_topk(scores, top_k, n_nodes, max_nodes) -> indices (T, k)`` on random scores:
+    shape, every token's experts distinct and on at most max_nodes nodes, then the set of experts of every token
+    against the rule (any order within a row). A wrong token is reported with its node scores. Returns the number of
+    tokens checked."""
+    from course_lib.parallel.moe_node_limited import node_limited_topk as reference
+
+    checked = 0
+    for name, T, E, N, k, M, seed in cases:
+        scores = torch.rand(T, E, generator=torch.Generator().manual_seed(seed))
+        got = node_limited_topk(scores.clone(), k, N, M)
+        if isinstance(got, (tuple, list)):
+            got = got[-1]                                            # (weights, indices) is accepted too
+        check_equal(f"node_limited_topk, {name}: shape of the indices", list(torch.as_tensor(got).shape), [T, k],
+                    hint="one row per token, top_k expert ids per row")
+        got = torch.as_tensor(got).long()
+        per_node = E // N
+        want = reference(scores, k, N, M)[1]
+        for t in range(T):
+            mine, theirs = sorted(got[t].tolist()), sorted(want[t].tolist())
+            if mine == theirs:
+                continue
+            nodes = sorted({e // per_node for e in mine if 0 <= e < E})
+            check_true(f"node_limited_topk, {name}: token {t}'s experts {mine} are {k} distinct ids in 0 .. {E - 1}",
+                       len(set(mine)) == k and all(0 <= e < E for e in mine),
+                       hint="each token picks top_k different experts")
+            check_true(f"node_limited_topk, {name}: token {t}'s experts {mine} lie on nodes {nodes}, at most {M} "
+                       f"allowed (expert e lives on node e // {per_node})", len(nodes) <= M,
+                       hint="restrict the choice to the chosen nodes' experts before taking the top k")
+            node_scores = scores[t].view(N, per_node).topk(k // M, -1).values.sum(-1)
+            ranked = node_scores.argsort(descending=True).tolist()
+            check_equal(f"node_limited_topk, {name}: token {t}'s experts (your nodes {nodes}; expert e lives on node "
+                        f"e // {per_node}; its nodes by the sum of their top {k // M} scores: {ranked})", mine, theirs,
+                        hint=f"choose the {M} nodes first, each scored by the sum of its {k // M} highest scores, "
+                             f"then the {k} highest scores among the experts of those nodes only")
+        checked += T
+    return checked
 
 
 # ------------------------------------------------------------------------------ 11-router-loss
