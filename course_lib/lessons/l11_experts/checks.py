@@ -36,30 +36,36 @@ def _logits(T=24, E=6, seed=0, scale=2.0):
 
 # ------------------------------------------------------------------------------ 11-node-limited
 
-NODE_LIMITED_CASES = (   # (name, T, E, n_nodes, top_k, max_nodes, seed)
-    ("8 experts on 4 nodes, top-4 on at most 2 nodes", 48, 8, 4, 4, 2, 0),
-    ("16 experts on 4 nodes, top-4 on at most 2 nodes", 48, 16, 4, 4, 2, 1),
-    ("12 experts on 3 nodes, top-6 on at most 3 nodes (= plain top-6)", 32, 12, 3, 6, 3, 2),
-    ("12 experts on 6 nodes, top-4 on at most 2 nodes", 48, 12, 6, 4, 2, 3),
-    ("64 experts on 8 nodes, top-8 on at most 4 nodes (DeepSeek-V3's k and M)", 64, 64, 8, 8, 4, 4),
+NODE_LIMITED_CASES = (   # (name, T, E, n_nodes, top_k, max_nodes, seed, shift: scores in [-shift, 1 - shift))
+    ("8 experts on 4 nodes, top-4 on at most 2 nodes", 48, 8, 4, 4, 2, 0, 0.0),
+    ("16 experts on 4 nodes, top-4 on at most 2 nodes", 48, 16, 4, 4, 2, 1, 0.0),
+    ("12 experts on 3 nodes, top-6 on at most 3 nodes (= plain top-6)", 32, 12, 3, 6, 3, 2, 0.0),
+    ("12 experts on 6 nodes, top-4 on at most 2 nodes", 48, 12, 6, 4, 2, 3, 0.0),
+    ("64 experts on 8 nodes, top-8 on at most 4 nodes (DeepSeek-V3's k and M)", 64, 64, 8, 8, 4, 4, 0.0),
+    ("8 experts on 4 nodes, top-4 on at most 2 nodes, scores mostly negative (affinity + bias)", 48, 8, 4, 4, 2, 5,
+     0.8),
 )
 
 
 def check_node_limited(node_limited_topk, cases=NODE_LIMITED_CASES) -> int:
-    """The learner's ``node_limited_topk(scores, top_k, n_nodes, max_nodes) -> indices (T, k)`` on random scores:
+    """The learner's ``node_limited_topk(scores, top_k, n_nodes, max_nodes) -> indices (T, k)`` on random scores (one
+    case mostly negative, as affinities plus DeepSeek-V3's bias can be: a mask of 0 instead of -inf fails there):
     shape, every token's experts distinct and on at most max_nodes nodes, then the set of experts of every token
     against the rule (any order within a row). A wrong token is reported with its node scores. Returns the number of
     tokens checked."""
     from course_lib.parallel.moe_node_limited import node_limited_topk as reference
 
     checked = 0
-    for name, T, E, N, k, M, seed in cases:
-        scores = torch.rand(T, E, generator=torch.Generator().manual_seed(seed))
+    for name, T, E, N, k, M, seed, shift in cases:
+        scores = torch.rand(T, E, generator=torch.Generator().manual_seed(seed)) - shift
         got = node_limited_topk(scores.clone(), k, N, M)
         if isinstance(got, (tuple, list)):
             got = got[-1]                                            # (weights, indices) is accepted too
         check_equal(f"node_limited_topk, {name}: shape of the indices", list(torch.as_tensor(got).shape), [T, k],
                     hint="one row per token, top_k expert ids per row")
+        check_true(f"node_limited_topk, {name}: returns expert ids (an integer tensor), got dtype "
+                   f"{torch.as_tensor(got).dtype}", not torch.as_tensor(got).is_floating_point(),
+                   hint="return the indices of the chosen experts (what topk gives as .indices), not their scores")
         got = torch.as_tensor(got).long()
         per_node = E // N
         want = reference(scores, k, N, M)[1]
