@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "get_preset"]
+__all__ = ["ConfigError", "ModelConfig", "TrainConfig", "PRESETS", "get_preset", "check_positive_ints",
+           "divisors_hint"]
 
 
 class ConfigError(ValueError):
@@ -32,11 +33,20 @@ _POS = ("learned", "rope")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _divisors(n: int, limit: int = 6) -> str:
-    """'{1, 2, 4, 8, ...}': the first `limit` divisors of n, as a hint in error messages."""
+def divisors_hint(n: int, limit: int | None = 6) -> str:
+    """'{1, 2, 4, 8, ...}': the first `limit` divisors of n (all of them with ``limit=None``), as a hint in error
+    messages ("pick ep in {1, 2, 4}")."""
     divs = [d for d in range(1, n + 1) if n % d == 0]
     shown = ", ".join(str(d) for d in divs[:limit])
-    return "{" + shown + (", ...}" if len(divs) > limit else "}")
+    return "{" + shown + (", ...}" if limit is not None and len(divs) > limit else "}")
+
+
+def check_positive_ints(**values) -> None:
+    """Raise ``ConfigError`` (a ValueError) "<name>=<value> must be a positive int" for the first of ``values`` that
+    is not an int >= 1 (bools refused): the first line of the techniques' argument checks."""
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}={v!r} must be a positive int")
 
 
 def _validate_pos_int(obj, name: str, allow_none: bool = False) -> None:
@@ -96,13 +106,13 @@ class ModelConfig:
         if self.d_model % self.n_head:
             raise ConfigError(
                 f"n_head={self.n_head} does not divide d_model={self.d_model}: "
-                f"pick n_head in {_divisors(self.d_model)}"
+                f"pick n_head in {divisors_hint(self.d_model)}"
             )
         kv = self.n_kv_head
         if self.n_head % kv:
             raise ConfigError(
                 f"n_kv_head={kv} does not divide n_head={self.n_head}: "
-                f"pick n_kv_head in {_divisors(self.n_head)}"
+                f"pick n_kv_head in {divisors_hint(self.n_head)}"
             )
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
                 or not 0.0 <= self.dropout < 1.0:
@@ -214,7 +224,7 @@ class TrainConfig:
         if self.batch_size % self.micro:
             raise ConfigError(
                 f"micro_batch_size={self.micro} does not divide batch_size={self.batch_size}: "
-                f"pick micro_batch_size in {_divisors(self.batch_size)}"
+                f"pick micro_batch_size in {divisors_hint(self.batch_size)}"
             )
         if not isinstance(self.lr, (int, float)) or isinstance(self.lr, bool) or self.lr <= 0:
             raise ConfigError(f"lr={self.lr!r} must be a positive float (e.g. lr=3e-4)")

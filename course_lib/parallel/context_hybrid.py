@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib.config import check_positive_ints, divisors_hint
 from course_lib.model import CausalSelfAttention
 from course_lib.parallel.block_attention import Chunks
 from course_lib.parallel.context import (ContextParallelAttention, ContextParallelPositions, layouts,
@@ -43,25 +44,19 @@ __all__ = ["validate_hybrid", "hybrid_coords", "hybrid_members", "hybrid_groups"
            "hybrid_attention", "HybridContextAttention", "apply_hybrid_context_parallel"]
 
 
-def _divisors(n: int) -> str:
-    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
-
-
 def validate_hybrid(seq_len: int, cp: int, ulysses: int, n_head: int, tp: int = 1, split: str = "balanced") -> None:
     """Raise ValueError naming the field and the fix when a cp = ulysses x ring mesh cannot run this attention."""
-    for name, val in (("cp", cp), ("ulysses", ulysses), ("tp", tp)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise ValueError(f"{name}={val!r} must be a positive int")
+    check_positive_ints(cp=cp, ulysses=ulysses, tp=tp)
     if cp % ulysses:
         raise ValueError(f"ulysses={ulysses} does not divide cp={cp} (cp = ulysses x ring): pick ulysses in "
-                         f"{_divisors(cp)}")
+                         f"{divisors_hint(cp, None)}")
     if n_head % tp:
-        raise ValueError(f"tp={tp} does not divide n_head={n_head}: pick tp in {_divisors(n_head)}")
+        raise ValueError(f"tp={tp} does not divide n_head={n_head}: pick tp in {divisors_hint(n_head, None)}")
     heads = n_head // tp
     if heads % ulysses:
         raise ValueError(f"ulysses={ulysses} does not divide the heads per TP rank, n_head/tp = {n_head}/{tp} = "
                          f"{heads} (each Ulysses member takes heads/ulysses of them): pick ulysses in "
-                         f"{_divisors(heads)} that also divides cp={cp}, and put the rest of cp in the ring")
+                         f"{divisors_hint(heads, None)} that also divides cp={cp}, and put the rest of cp in the ring")
     validate_context_parallel(seq_len, cp, None, "ring", split)     # seq_len divisible by 2cp (balanced) or cp
 
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib.config import check_positive_ints, divisors_hint
 from course_lib.measure.collective_counter import LayerCounter
 from course_lib.parallel.moe import MoELayer, SwiGLUExperts, moe_layers
 from course_lib.reference import reference_for
@@ -47,13 +48,10 @@ __all__ = ["validate_expert_parallel", "ExpertGroups", "ExpertCounter", "AllToAl
 
 def validate_expert_parallel(n_experts: int, ep: int, dp: int, cp: int = 1) -> None:
     """Raise ValueError naming the field and the fix when ep cannot shard these experts over these ranks."""
-    for name, v in (("n_experts", n_experts), ("ep", ep), ("dp", dp), ("cp", cp)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive int")
+    check_positive_ints(n_experts=n_experts, ep=ep, dp=dp, cp=cp)
     if n_experts % ep:
-        ok = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
         raise ValueError(f"n_experts={n_experts} is not divisible by ep={ep} (each ep rank holds n_experts/ep "
-                         f"experts): pick ep in {{{', '.join(map(str, ok))}}}")
+                         f"experts): pick ep in {divisors_hint(n_experts, None)}")
     if (dp * cp) % ep:
         raise ValueError(f"ep={ep} does not divide dp x cp = {dp} x {cp} = {dp * cp}: expert parallelism borrows "
                          f"data-parallel ranks and does not multiply the world size; pick ep dividing {dp * cp}")

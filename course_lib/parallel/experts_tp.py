@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from course_lib.config import check_positive_ints, divisors_hint
 from course_lib.measure.collective_counter import LayerCounter
 from course_lib.parallel.experts import (ExpertGroups, ExpertParallelMoE, sync_expert_parallel_grads,
                                          validate_expert_parallel)
@@ -52,13 +53,10 @@ __all__ = ["validate_expert_tensor_parallel", "expert_tp_layout", "ExpertTPGroup
 
 def validate_expert_tensor_parallel(n_experts: int, d_ff: int, ep: int, etp: int, world_size: int) -> None:
     """Raise ValueError naming the field and the fix when (ep, etp) cannot split these experts over these ranks."""
-    for name, v in (("n_experts", n_experts), ("d_ff", d_ff), ("ep", ep), ("etp", etp), ("world_size", world_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive int")
+    check_positive_ints(n_experts=n_experts, d_ff=d_ff, ep=ep, etp=etp, world_size=world_size)
     if d_ff % etp:
-        ok = [d for d in range(1, d_ff + 1) if d_ff % d == 0]
         raise ValueError(f"d_ff={d_ff} is not divisible by etp={etp} (each etp rank holds d_ff/etp hidden features "
-                         f"of every expert): pick etp in {{{', '.join(map(str, ok))}}} or change d_ff")
+                         f"of every expert): pick etp in {divisors_hint(d_ff, None)} or change d_ff")
     if world_size % (ep * etp):
         raise ValueError(f"world_size={world_size} is not divisible by ep x etp = {ep} x {etp} = {ep * etp}: "
                          f"pick ep and etp whose product divides {world_size}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from course_lib.config import check_positive_ints, divisors_hint
 from course_lib.reference import reference_for
 
 __all__ = ["validate_node_limited", "node_limited_topk", "node_of", "even_source_nodes", "remote_copies",
@@ -35,13 +36,10 @@ __all__ = ["validate_node_limited", "node_limited_topk", "node_of", "even_source
 
 def validate_node_limited(n_experts: int, top_k: int, n_nodes: int, max_nodes: int) -> None:
     """Raise ValueError naming the field and the fix when these sizes cannot route node-limited."""
-    for name, v in (("n_experts", n_experts), ("top_k", top_k), ("n_nodes", n_nodes), ("max_nodes", max_nodes)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive int")
+    check_positive_ints(n_experts=n_experts, top_k=top_k, n_nodes=n_nodes, max_nodes=max_nodes)
     if n_experts % n_nodes:
-        ok = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
         raise ValueError(f"n_experts={n_experts} is not divisible by n_nodes={n_nodes} (each node holds "
-                         f"n_experts/n_nodes experts): pick n_nodes in {{{', '.join(map(str, ok))}}}")
+                         f"n_experts/n_nodes experts): pick n_nodes in {divisors_hint(n_experts, None)}")
     if max_nodes > n_nodes:
         raise ValueError(f"max_nodes={max_nodes} > n_nodes={n_nodes}: pick max_nodes <= n_nodes")
     if top_k % max_nodes:

@@ -30,8 +30,8 @@ import dataclasses
 from course_lib.config import ModelConfig
 from course_lib.theory import flops
 
-__all__ = ["MoESpec", "moe_params", "moe_matmul_params", "moe_flops_per_token", "switch_loss", "layer_comm", "bytes_leaving",
-           "uniform_layer_comm"]
+__all__ = ["MoESpec", "moe_layer_params", "moe_params", "moe_matmul_params", "moe_flops_per_token", "switch_loss",
+           "layer_comm", "bytes_leaving", "uniform_layer_comm"]
 
 
 def _mlp_params(cfg: ModelConfig) -> int:
@@ -39,9 +39,14 @@ def _mlp_params(cfg: ModelConfig) -> int:
     return 2 * d * dff + b * (dff + d) if cfg.mlp == "gelu" else 3 * d * dff + b * (2 * dff + d)
 
 
+def moe_layer_params(d_model: int, n_experts: int, experts_used: int, d_ff: int, shared_d_ff: int = 0) -> int:
+    """One SwiGLU MoE layer's parameters counting ``experts_used`` of its experts (E for the total, k for what a
+    token uses): 3 C F used + C E (the router) + 3 C F_s (a shared expert)."""
+    return 3 * d_model * d_ff * experts_used + d_model * n_experts + 3 * d_model * shared_d_ff
+
+
 def _moe_layer(cfg: ModelConfig, n_experts: int, experts_used: int, d_ff: int | None, shared_d_ff: int) -> int:
-    d, f = cfg.d_model, d_ff or cfg.d_ff
-    return 3 * d * f * experts_used + d * n_experts + 3 * d * shared_d_ff
+    return moe_layer_params(cfg.d_model, n_experts, experts_used, d_ff or cfg.d_ff, shared_d_ff)
 
 
 def moe_params(cfg: ModelConfig, n_experts: int, top_k: int, d_ff: int | None = None, shared_d_ff: int = 0,

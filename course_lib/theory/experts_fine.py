@@ -23,6 +23,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from course_lib.config import check_positive_ints, divisors_hint
+from course_lib.theory.experts import moe_layer_params
+
 __all__ = ["MoEShape", "fine_grained", "expert_params", "active_params", "total_params", "routing_combinations"]
 
 
@@ -37,10 +40,7 @@ class MoEShape:
     shared_d_ff: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("n_experts", "top_k", "d_ff"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive int")
+        check_positive_ints(n_experts=self.n_experts, top_k=self.top_k, d_ff=self.d_ff)
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k={self.top_k} > n_experts={self.n_experts}: pick top_k <= n_experts")
         if self.shared_d_ff < 0:
@@ -50,13 +50,10 @@ class MoEShape:
 def fine_grained(n_experts: int, top_k: int, d_ff: int, m: int, n_shared: int = 0) -> MoEShape:
     """DeepSeekMoE's segmentation of (N, K, F): mN experts of F/m, top mK; ``n_shared`` = K_s of them isolated as
     shared experts: mN - K_s routed, top mK - K_s, shared hidden size K_s F/m."""
-    for name, v in (("m", m), ("d_ff", d_ff)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive int")
+    check_positive_ints(m=m, d_ff=d_ff)
     if d_ff % m:
-        ok = [d for d in range(1, d_ff + 1) if d_ff % d == 0]
         raise ValueError(f"d_ff={d_ff} is not divisible by m={m} (each expert splits into m of d_ff/m): pick m in "
-                         f"{{{', '.join(map(str, ok))}}}")
+                         f"{divisors_hint(d_ff, None)}")
     if not 0 <= n_shared < top_k * m:
         raise ValueError(f"n_shared={n_shared} must be in 0 .. top_k x m - 1 = {top_k * m - 1}: a token keeps at "
                          f"least one routed expert")
@@ -64,21 +61,21 @@ def fine_grained(n_experts: int, top_k: int, d_ff: int, m: int, n_shared: int = 
     return MoEShape(n_experts * m - n_shared, top_k * m - n_shared, f, n_shared * f)
 
 
-def expert_params(d_model: int, shape: MoEShape) -> dict:
-    """{"total": 3 C F E + 3 C F_s, "active": 3 C F k + 3 C F_s}: the experts' weights, router left out."""
-    shared = 3 * d_model * shape.shared_d_ff
-    return {"total": 3 * d_model * shape.d_ff * shape.n_experts + shared,
-            "active": 3 * d_model * shape.d_ff * shape.top_k + shared}
-
-
 def active_params(d_model: int, shape: MoEShape) -> int:
-    """Parameters one token uses in one MoE layer: 3 C F k + 3 C F_s + C E (the router)."""
-    return expert_params(d_model, shape)["active"] + d_model * shape.n_experts
+    """Parameters one token uses in one MoE layer: 3 C F k + 3 C F_s + C E (the router;
+    `course_lib.theory.experts.moe_layer_params`)."""
+    return moe_layer_params(d_model, shape.n_experts, shape.top_k, shape.d_ff, shape.shared_d_ff)
 
 
 def total_params(d_model: int, shape: MoEShape) -> int:
     """Parameters of one MoE layer: 3 C F E + 3 C F_s + C E."""
-    return expert_params(d_model, shape)["total"] + d_model * shape.n_experts
+    return moe_layer_params(d_model, shape.n_experts, shape.n_experts, shape.d_ff, shape.shared_d_ff)
+
+
+def expert_params(d_model: int, shape: MoEShape) -> dict:
+    """{"total": 3 C F E + 3 C F_s, "active": 3 C F k + 3 C F_s}: the experts' weights, router left out."""
+    router = d_model * shape.n_experts
+    return {"total": total_params(d_model, shape) - router, "active": active_params(d_model, shape) - router}
 
 
 def routing_combinations(n_experts: int, top_k: int) -> int:

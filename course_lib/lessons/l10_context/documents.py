@@ -110,7 +110,8 @@ def rank_document_times(doc_lens: list[int], batch: int = 1, n_head: int = 4, he
         mask = document_mask(q_pos, k_pos, ids)                       # (n, s)
         dense = lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)   # noqa: E731
         split = lambda: per_document_attention(q, keys, values, q_pos, k_pos, doc_lens)   # noqa: E731
-        row = dict(max_diff=(split()[0] - dense()).abs().max().item(), scores=split()[1],
+        per_document, scores = split()
+        row = dict(max_diff=(per_document - dense()).abs().max().item(), scores=scores,
                    pairs=visible_pairs(q_pos.cpu(), doc_lens))
         for name, fn in (("dense_s", dense), ("per_document_s", split)):
             best = float("inf")

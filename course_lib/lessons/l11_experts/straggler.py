@@ -31,7 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from course_lib.config import ModelConfig
+from course_lib.config import ModelConfig, check_positive_ints
 from course_lib.measure.collective_counter import LayerCounter
 from course_lib.measure.memory_stats import SavedActivations
 from course_lib.parallel.moe import MoELayer
@@ -55,10 +55,8 @@ class StragglerSizes:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tokens", "d_model", "d_ff", "n_experts", "top_k"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive int")
+        check_positive_ints(tokens=self.tokens, d_model=self.d_model, d_ff=self.d_ff, n_experts=self.n_experts,
+                            top_k=self.top_k)
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k={self.top_k} > n_experts={self.n_experts}: pick top_k <= n_experts")
 
